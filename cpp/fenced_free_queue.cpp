@@ -1,0 +1,67 @@
+#include "fenced_free_queue.h"
+
+namespace kvpool {
+
+void FencedFreeQueue::push(int64_t fence_seq, const int64_t* handles, size_t n) {
+  size_t begin = buffer_.size();
+  buffer_.insert(buffer_.end(), handles, handles + n);
+  entries_.push_back(Entry{fence_seq, begin, buffer_.size()});
+  num_blocks_ += n;
+}
+
+size_t FencedFreeQueue::ready_entries(int64_t processed_step_seq) const {
+  size_t k = 0;
+  while (k < entries_.size() && entries_[k].fence_seq <= processed_step_seq) ++k;
+  return k;
+}
+
+size_t FencedFreeQueue::drain(int64_t processed_step_seq, std::vector<int64_t>& out,
+                              std::vector<size_t>* entry_ends) {
+  size_t drained = 0;
+  while (!entries_.empty() && entries_.front().fence_seq <= processed_step_seq) {
+    const Entry& e = entries_.front();
+    out.insert(out.end(), buffer_.begin() + e.begin, buffer_.begin() + e.end);
+    if (entry_ends) entry_ends->push_back(out.size());
+    num_blocks_ -= e.end - e.begin;
+    head_offset_ = e.end;
+    entries_.pop_front();
+    ++drained;
+  }
+  if (drained) compact();
+  return drained;
+}
+
+void FencedFreeQueue::pop_front(std::vector<int64_t>& out) {
+  if (entries_.empty()) throw std::out_of_range("pop from an empty deferred-free queue");
+  const Entry& e = entries_.front();
+  out.insert(out.end(), buffer_.begin() + e.begin, buffer_.begin() + e.end);
+  num_blocks_ -= e.end - e.begin;
+  head_offset_ = e.end;
+  entries_.pop_front();
+  compact();
+}
+
+void FencedFreeQueue::clear() {
+  entries_.clear();
+  buffer_.clear();
+  head_offset_ = 0;
+  num_blocks_ = 0;
+}
+
+void FencedFreeQueue::compact() {
+  if (entries_.empty()) {
+    buffer_.clear();
+    head_offset_ = 0;
+    return;
+  }
+  // Reclaim the drained prefix once it dominates the buffer: amortised O(1) per block.
+  if (head_offset_ < 4096 || head_offset_ * 2 < buffer_.size()) return;
+  buffer_.erase(buffer_.begin(), buffer_.begin() + head_offset_);
+  for (Entry& e : entries_) {
+    e.begin -= head_offset_;
+    e.end -= head_offset_;
+  }
+  head_offset_ = 0;
+}
+
+}  // namespace kvpool

@@ -1,0 +1,58 @@
+// FIFO of deferred block frees guarded by scheduler step fences.
+//
+// Mirrors Scheduler.deferred_frees in vLLM 0.33.0 (vllm/v1/core/sched/scheduler.py):
+// a finished or preempted request's blocks may still be written by a step that was
+// dispatched but whose output has not been processed yet (async scheduling with a KV
+// consumer, or pipeline parallelism). Its blocks are queued with fence_seq = the
+// newest dispatched step (sched_seq) and become reusable once
+// processed_step_seq >= fence_seq. Entries drain strictly in FIFO order and the
+// drain stops at the first unmet fence, as in vLLM.
+//
+// The queue stores opaque int64 block handles in one flat buffer; the binding decides
+// what a handle names (here: an index into a table of Python block objects).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <stdexcept>
+#include <vector>
+
+namespace kvpool {
+
+class FencedFreeQueue {
+ public:
+  struct Entry {
+    int64_t fence_seq;
+    size_t begin;  // offset into the flat handle buffer
+    size_t end;
+  };
+
+  // Queue `n` handles that become free once processed_step_seq >= fence_seq.
+  void push(int64_t fence_seq, const int64_t* handles, size_t n);
+  // Number of leading entries whose fence is met, without removing them.
+  size_t ready_entries(int64_t processed_step_seq) const;
+  // Remove the leading ready entries; their handles, in queue order, are appended to
+  // `out` and per-entry end offsets (into `out`) to `entry_ends`. Returns the number
+  // of entries drained.
+  size_t drain(int64_t processed_step_seq, std::vector<int64_t>& out,
+               std::vector<size_t>* entry_ends = nullptr);
+  // Remove the first entry regardless of its fence. Throws if empty.
+  void pop_front(std::vector<int64_t>& out);
+
+  size_t num_entries() const { return entries_.size(); }
+  size_t num_blocks() const { return num_blocks_; }
+  bool empty() const { return entries_.empty(); }
+  const Entry& entry(size_t i) const { return entries_.at(i); }
+  const int64_t* handles() const { return buffer_.data(); }
+  void clear();
+
+ private:
+  void compact();
+
+  std::deque<Entry> entries_;
+  std::vector<int64_t> buffer_;
+  size_t head_offset_ = 0;  // buffer_[0, head_offset_) is drained and reclaimable
+  size_t num_blocks_ = 0;
+};
+
+}  // namespace kvpool

@@ -1,0 +1,44 @@
+"""Command line: ``python -m kvpool {replay,conformance,info}``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m kvpool",
+        description="kvpool: native KV block pool for vLLM.",
+    )
+    parser.add_argument(
+        "command",
+        choices=["replay", "conformance", "info"],
+        help="replay: workload through vLLM's scheduler, vanilla vs kvpool; "
+        "conformance: vLLM's own tests with and without kvpool; "
+        "info: versions and install state",
+    )
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "replay":
+        from kvpool.replay.cli import main as replay_main
+
+        return replay_main(rest)
+    if command == "conformance":
+        from kvpool.conformance.cli import main as conformance_main
+
+        return conformance_main(rest)
+    if command == "info":
+        from kvpool.vllm_compat import describe
+
+        print(describe())
+        return 0
+    parser.error(f"unknown command {command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""kvpool's drop-in ``BlockPool`` for vLLM 0.33.0.
+
+A subclass of ``vllm.v1.core.block_pool.BlockPool`` whose blocks and free queue are
+kvpool's extension types and whose per-block loops (``get_new_blocks``,
+``free_blocks``, ``touch``, ``unpin_blocks``, ``evict_blocks``) run in Cython/C++.
+Everything else (prefix-cache bookkeeping, KV cache events, partial blocks) is
+vLLM's own code, inherited unchanged.
+
+Fast paths skip only work that is provably not needed: with a metrics collector or
+reuse watchers registered, ``get_new_blocks`` and ``touch`` run vLLM's loop (over
+kvpool's queue) so every callback fires exactly as in vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm.distributed.kv_events import MEDIUM_GPU
+from vllm.logger import init_logger
+from vllm.v1.core import block_pool as _vllm_block_pool
+
+from kvpool._core import (
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    make_pool_blocks,
+    pool_blocks_to_evict,
+    pool_free_blocks,
+    pool_get_new_blocks,
+    pool_touch,
+    pool_unpin_blocks,
+)
+
+logger = init_logger(__name__)
+
+#: ``KVPOOL_REORDER_ON_RESET=1``: every successful prefix-cache reset also restores
+#: the canonical free-queue order (the RFC's Option B, switched on for a deployment).
+REORDER_ON_RESET_ENV = "KVPOOL_REORDER_ON_RESET"
+
+VllmBlockPool = _vllm_block_pool.BlockPool
+VllmBlockHashToBlockMap = _vllm_block_pool.BlockHashToBlockMap
+
+
+class BlockHashToBlockMap(VllmBlockHashToBlockMap):
+    """vLLM's prefix-cache map, told apart from its dict case by ``type(x) is dict``.
+
+    vLLM's version tests ``isinstance(x, KVCacheBlock)`` against the name bound in
+    ``block_pool``'s namespace, which is vLLM's dataclass unless kvpool is installed;
+    this keeps a kvpool pool correct whether or not kvpool is installed.
+    """
+
+    def get_one_block(self, key):
+        blocks = self._cache.get(key)
+        if blocks is None:
+            return None
+        if type(blocks) is dict:
+            return next(iter(blocks.values()))
+        return blocks
+
+    def contain(self, key, block_id: int) -> bool:
+        blocks = self._cache.get(key)
+        if blocks is None:
+            return False
+        if type(blocks) is dict:
+            return block_id in blocks
+        return blocks.block_id == block_id
+
+    def insert(self, key, block) -> None:
+        blocks = self._cache.get(key)
+        if blocks is None:
+            self._cache[key] = block
+        elif type(blocks) is dict:
+            blocks[block.block_id] = block
+        else:
+            self._cache[key] = {blocks.block_id: blocks, block.block_id: block}
+
+    def pop(self, key, block_id: int):
+        blocks = self._cache.pop(key, None)
+        if blocks is None:
+            return None
+        if type(blocks) is dict:
+            block = blocks.pop(block_id, None)
+            if len(blocks) > 0:
+                self._cache[key] = blocks
+            return block
+        if blocks.block_id == block_id:
+            return blocks
+        self._cache[key] = blocks
+        return None
+
+
+class BlockPool(VllmBlockPool):
+    """Drop-in for ``vllm.v1.core.block_pool.BlockPool`` (vLLM 0.33.0).
+
+    Same constructor and attributes. Block 0 is the null block, popped at
+    construction and never freed. Adds :meth:`reset_free_block_queue_order` (the
+    RFC's Option A) and ``reset_prefix_cache(reorder_free_queue=True)`` (Option B).
+
+    Args:
+        num_gpu_blocks: blocks in the pool, ``> 0``.
+        enable_caching: prefix caching on/off.
+        hash_block_size: tokens per block hash.
+        enable_kv_cache_events, metrics_collector, num_hash_lookahead_tokens, medium:
+            as in vLLM.
+
+    Raises:
+        ValueError: ``num_gpu_blocks`` is not a positive int.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: Any = None,
+        num_hash_lookahead_tokens: int = 0,
+        medium: str = MEDIUM_GPU,
+    ):
+        if not isinstance(num_gpu_blocks, int) or isinstance(num_gpu_blocks, bool) or num_gpu_blocks <= 0:
+            raise ValueError(f"num_gpu_blocks must be a positive int, got {num_gpu_blocks!r}")
+        if num_gpu_blocks >= 2**31 - 2:
+            raise ValueError(f"num_gpu_blocks {num_gpu_blocks} exceeds the int32 block id range")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.medium = medium
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
+        # All blocks and the free queue, built natively in block_id order.
+        self.blocks, self.free_block_queue = make_pool_blocks(self, num_gpu_blocks)
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hashes_by_block = {}
+        # Block 0 is the null block: a placeholder whose ref_cnt is not maintained.
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_event_queue = []
+        self.metrics_collector = metrics_collector
+        self._reuse_watchers = {}
+
+    # -- hot paths ---------------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop ``num_blocks`` blocks from the free queue (evicting their cached hashes)
+        with ``ref_cnt = 1``. Mirrors ``BlockPool.get_new_blocks``.
+
+        Returns:
+            ``list[KVCacheBlock]`` of length ``num_blocks``, in free-queue order.
+        Raises:
+            ValueError: more blocks than are free ("Cannot get N free blocks from the
+                pool") or ``num_blocks < 0``.
+        """
+        if self._reuse_watchers or self.metrics_collector is not None:
+            return VllmBlockPool.get_new_blocks(self, num_blocks)
+        return pool_get_new_blocks(
+            self.free_block_queue,
+            num_blocks,
+            self.enable_caching,
+            self.cached_block_hashes_by_block,
+            self._maybe_evict_cached_block,
+        )
+
+    def free_blocks(self, ordered_blocks) -> None:
+        """Decrement ``ref_cnt``; blocks reaching 0 return to the free queue, hashed
+        ones at the LRU tail, others at the front. Blocks of another pool are forwarded
+        to it. Mirrors ``BlockPool.free_blocks``.
+
+        Args:
+            ordered_blocks: iterable of ``KVCacheBlock`` in eviction order.
+        Raises:
+            BlockStateError: double free or a block of another pool (nothing freed).
+        """
+        others = pool_free_blocks(self, self.free_block_queue, ordered_blocks, self.enable_caching)
+        if others:
+            for pool, blocks in others.items():
+                pool.free_blocks(blocks)
+
+    def touch(self, blocks) -> None:
+        """``ref_cnt += 1`` for each block (prefix-cache hit), taking eviction
+        candidates out of the free queue. Mirrors ``BlockPool.touch``."""
+        if self.metrics_collector is not None:
+            VllmBlockPool.touch(self, blocks)
+            return
+        pool_touch(self.free_block_queue, blocks)
+
+    def unpin_blocks(self, blocks, on_reuse) -> None:
+        """Release references to blocks that stay readable until reused. Mirrors
+        ``BlockPool.unpin_blocks``."""
+        pool_unpin_blocks(self.free_block_queue, blocks, self._reuse_watchers, on_reuse)
+
+    def evict_blocks(self, block_ids) -> None:
+        """Evict blocks from the prefix cache by id (``set[int]``). Mirrors
+        ``BlockPool.evict_blocks``.
+
+        Raises:
+            BlockIdOutOfRangeError: an id outside ``[0, num_gpu_blocks)``; nothing is
+                evicted.
+        """
+        every_block = self.metrics_collector is not None
+        for block in pool_blocks_to_evict(
+            self.blocks, block_ids, self.cached_block_hashes_by_block, every_block
+        ):
+            self._maybe_evict_cached_block(block)
+
+    # -- reset / reorder ---------------------------------------------------------------
+    def reset_prefix_cache(self, reorder_free_queue: bool = False) -> bool:
+        """vLLM's ``reset_prefix_cache``, plus the RFC's Option B.
+
+        Args:
+            reorder_free_queue: after a successful reset, also restore the canonical
+                free-queue order (:meth:`reset_free_block_queue_order`). Also on when
+                ``KVPOOL_REORDER_ON_RESET=1``.
+
+        Returns:
+            True if the prefix cache was reset (False while blocks are in use).
+        """
+        ok = VllmBlockPool.reset_prefix_cache(self)
+        if ok:
+            if type(self.cached_block_hash_to_block) is not BlockHashToBlockMap:
+                self.cached_block_hash_to_block = BlockHashToBlockMap()
+            if reorder_free_queue or os.environ.get(REORDER_ON_RESET_ENV) == "1":
+                self.reset_free_block_queue_order()
+        return ok
+
+    def reset_free_block_queue_order(self) -> bool:
+        """Rebuild the free queue in canonical ``block_id`` order (RFC vLLM #40244,
+        Option A), O(num_gpu_blocks) in C++.
+
+        Long-running sessions scramble the free queue, so later allocations get
+        non-contiguous block ids and attention kernels lose locality in prefill.
+        Call between rounds, when no request holds blocks (the precondition of
+        ``reset_prefix_cache``). Prefix-cache hashes are kept.
+
+        Returns:
+            True on success: afterwards ``get_new_blocks(k)`` returns blocks 1..k.
+            False, with a warning, while any block other than the null block is in
+            use; nothing changes then.
+        """
+        num_used_blocks = self.num_gpu_blocks - self.get_num_free_blocks()
+        if num_used_blocks != 1:  # the null block is always in use
+            logger.warning(
+                "Failed to reset free_block_queue order because some blocks (%d) "
+                "are not freed yet",
+                num_used_blocks - 1,
+            )
+            return False
+        self.free_block_queue.rebuild_canonical()
+        return True
+
+
+__all__ = ["BlockHashToBlockMap", "BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock"]

@@ -1,0 +1,203 @@
+"""``install()`` / ``uninstall()``: bind kvpool's classes into vLLM, reversibly.
+
+Two mechanisms, chosen per class:
+
+* **Names are replaced** for ``KVCacheBlock``, ``FreeKVCacheBlockQueue``,
+  ``BlockPool`` and ``BlockHashToBlockMap``: in every loaded ``vllm.*`` module, each
+  global bound to vLLM's class is rebound to kvpool's. Modules imported later read
+  the names from ``kv_cache_utils`` / ``block_pool``, which are rebound too. (A slots
+  dataclass cannot be turned into an extension type in place.)
+* **Subclasses are re-based**: classes that already inherit from vLLM's
+  ``BlockPool`` (``SharedEventQueueBlockPool``, ``_LookupBlockPool``, ...; found with
+  ``__subclasses__()``) get kvpool's ``BlockPool`` as their base, so their ``super()``
+  calls reach the native paths.
+
+Further patches (the coordinator's per-group reversed pop, the scheduler's fenced
+deferred-free queue, the reorder API from ``LLM`` down) register through
+:func:`register_patch`. Every change is recorded and undone by :func:`uninstall`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.vllm_compat import check_vllm_version
+
+logger = logging.getLogger("kvpool")
+
+_lock = threading.RLock()
+_MISSING = object()
+
+
+@dataclass
+class _InstallState:
+    vllm_version: str
+    vanilla: dict[str, Any]
+    rebound: list[tuple[Any, str, Any]] = field(default_factory=list)  # (module, name, old)
+    rebased: list[tuple[type, tuple[type, ...]]] = field(default_factory=list)
+    attrs: list[tuple[Any, str, Any]] = field(default_factory=list)  # (owner, name, old or _MISSING)
+
+
+_state: _InstallState | None = None
+_patches: list[tuple[str, Callable[["Patcher"], None]]] = []
+
+
+class Patcher:
+    """Handed to registered patches: records every change so it can be undone."""
+
+    def __init__(self, state: _InstallState):
+        self._state = state
+
+    @property
+    def vanilla(self) -> dict[str, Any]:
+        """vLLM's original classes by name."""
+        return self._state.vanilla
+
+    def set_attr(self, owner: Any, name: str, value: Any) -> None:
+        """``setattr(owner, name, value)``, remembering the previous value."""
+        old = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
+        self._state.attrs.append((owner, name, old))
+        setattr(owner, name, value)
+
+
+def register_patch(name: str, apply: Callable[[Patcher], None]) -> None:
+    """Register ``apply(patcher)`` to run at each ``install()`` (after the classes)."""
+    _patches.append((name, apply))
+
+
+def is_installed() -> bool:
+    """True while kvpool's classes are bound in vLLM."""
+    return _state is not None
+
+
+def vanilla_classes() -> dict[str, Any]:
+    """vLLM's own ``KVCacheBlock``, ``FreeKVCacheBlockQueue``, ``BlockPool`` and
+    ``BlockHashToBlockMap``, whether or not kvpool is installed."""
+    if _state is not None:
+        return dict(_state.vanilla)
+    import vllm.v1.core.block_pool as bp
+    import vllm.v1.core.kv_cache_utils as kcu
+
+    return {
+        "KVCacheBlock": kcu.KVCacheBlock,
+        "FreeKVCacheBlockQueue": kcu.FreeKVCacheBlockQueue,
+        "BlockPool": bp.BlockPool,
+        "BlockHashToBlockMap": bp.BlockHashToBlockMap,
+    }
+
+
+def _replacements() -> dict[str, Any]:
+    from kvpool import _core
+    from kvpool import block_pool as kp
+
+    return {
+        "KVCacheBlock": _core.KVCacheBlock,
+        "FreeKVCacheBlockQueue": _core.FreeKVCacheBlockQueue,
+        "BlockPool": kp.BlockPool,
+        "BlockHashToBlockMap": kp.BlockHashToBlockMap,
+    }
+
+
+def _rebind_names(state: _InstallState, replacements: dict[str, Any]) -> None:
+    by_id = {id(state.vanilla[name]): (name, new) for name, new in replacements.items()}
+    for modname, module in list(sys.modules.items()):
+        if module is None or not (modname == "vllm" or modname.startswith("vllm.")):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not namespace:
+            continue
+        for attr, value in list(namespace.items()):
+            hit = by_id.get(id(value))
+            if hit is not None and value is state.vanilla[hit[0]]:
+                state.rebound.append((module, attr, value))
+                setattr(module, attr, hit[1])
+
+
+def _rebase_subclasses(state: _InstallState, replacements: dict[str, Any]) -> None:
+    vanilla_pool = state.vanilla["BlockPool"]
+    ours = replacements["BlockPool"]
+    for cls in list(vanilla_pool.__subclasses__()):
+        if cls is ours:
+            continue
+        old_bases = cls.__bases__
+        cls.__bases__ = tuple(ours if base is vanilla_pool else base for base in old_bases)
+        state.rebased.append((cls, old_bases))
+
+
+def install(*, force: bool = False) -> bool:
+    """Replace vLLM's block pool classes with kvpool's, in every vLLM module.
+
+    Idempotent: a second call does nothing and returns False.
+
+    Args:
+        force: patch a vLLM version that kvpool has not been validated against.
+
+    Returns:
+        True if this call installed kvpool, False if it already was.
+
+    Raises:
+        UnsupportedVLLMVersionError: vLLM is missing or its version is not supported.
+        ImportError: kvpool's native core is not built.
+    """
+    global _state
+    with _lock:
+        if _state is not None:
+            return False
+        version = check_vllm_version(force=force)
+        state = _InstallState(vllm_version=version, vanilla=vanilla_classes())
+        replacements = _replacements()
+        try:
+            _rebind_names(state, replacements)
+            _rebase_subclasses(state, replacements)
+            patcher = Patcher(state)
+            for _name, apply in _patches:
+                apply(patcher)
+        except BaseException:
+            _undo(state)
+            raise
+        _state = state
+        logger.debug("kvpool installed into vLLM %s", version)
+        return True
+
+
+def _undo(state: _InstallState) -> None:
+    for owner, name, old in reversed(state.attrs):
+        if old is _MISSING:
+            try:
+                delattr(owner, name)
+            except AttributeError:
+                pass
+        else:
+            setattr(owner, name, old)
+    for cls, old_bases in reversed(state.rebased):
+        cls.__bases__ = old_bases
+    for module, attr, old in reversed(state.rebound):
+        setattr(module, attr, old)
+
+
+def uninstall() -> bool:
+    """Put vLLM's own classes back everywhere ``install()`` replaced them.
+
+    Objects created while installed (pools, blocks) keep kvpool's types; build new
+    ones after uninstalling.
+
+    Returns:
+        True if kvpool was installed and has been removed, False otherwise.
+    """
+    global _state
+    with _lock:
+        if _state is None:
+            return False
+        _undo(_state)
+        _state = None
+        return True
+
+
+def installed_vllm_version() -> str | None:
+    """The vLLM version kvpool patched, or None when not installed."""
+    return None if _state is None else _state.vllm_version

@@ -1,0 +1,190 @@
+"""``python -m kvpool replay``: a workload through vLLM's scheduler, vanilla vs kvpool.
+
+See docs/replay.md for what is measured and the trace format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+from kvpool.replay.driver import MODES, PoolSpec
+from kvpool.replay.workloads import WORKLOADS, Workload, from_trace, truncate_rounds
+
+
+def _range(text: str) -> tuple[int, int]:
+    parts = [int(p) for p in text.replace(":", ",").split(",") if p.strip()]
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2 or parts[0] < 1 or parts[1] < parts[0]:
+        raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI, got {text!r}")
+    return parts[0], parts[1]
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {bad}; choose from {','.join(MODES)}")
+    return modes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m kvpool replay",
+        description=(
+            "Drive vLLM's real Scheduler/KVCacheManager (no model) through a workload and "
+            "report block-table contiguity and scheduler CPU per round, for vanilla vLLM, "
+            "kvpool, and kvpool with the canonical free-list reorder between rounds."
+        ),
+    )
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="grpo",
+                   help="built-in workload (default: grpo, the RFC's GRPO rollout shape)")
+    p.add_argument("--trace", metavar="FILE.jsonl",
+                   help="replay a JSON-lines trace instead of a built-in workload (docs/replay.md)")
+    p.add_argument("--modes", type=_modes, default=MODES,
+                   help=f"comma-separated subset of {','.join(MODES)} (default: all)")
+    p.add_argument("--rounds", type=int, help="number of rounds (trace: keep the first N)")
+    p.add_argument("--num-blocks", type=int, default=85_000, help="KV blocks in the pool (default 85000)")
+    p.add_argument("--block-size", type=int, default=32, help="tokens per block (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="seed for lengths and token ids (default 0)")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply output lengths (e.g. 0.05)")
+    p.add_argument("--prompt-len", type=_range, metavar="LO,HI",
+                   help="override the workload's prompt length range (tokens)")
+    p.add_argument("--output-len", type=_range, metavar="LO,HI",
+                   help="override the workload's output length range (tokens, before --scale)")
+    p.add_argument("--prefix-caching", choices=["on", "off"],
+                   help="override the workload's prefix caching setting")
+    p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    p.add_argument("--plot", metavar="PATH.png", help="write contiguity/CPU per round per mode")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no tables (implies --no-progress)")
+    return p
+
+
+def make_workload(args: argparse.Namespace) -> Workload:
+    if args.trace:
+        wl = from_trace(args.trace, scale=args.scale)
+        if args.rounds is not None:
+            wl = truncate_rounds(wl, args.rounds)
+    else:
+        kwargs: dict[str, Any] = {"scale": args.scale, "seed": args.seed}
+        if args.rounds is not None:
+            kwargs["rounds"] = args.rounds
+        if args.prompt_len:
+            kwargs["prompt_len"] = args.prompt_len
+        if args.output_len:
+            kwargs["output_len"] = args.output_len
+        wl = WORKLOADS[args.workload](**kwargs)
+    if args.prefix_caching is not None:
+        on = args.prefix_caching == "on"
+        wl = replace(wl, engine=replace(wl.engine, enable_prefix_caching=on))
+        wl.description += f" [prefix caching {args.prefix_caching}]"
+    if not wl.requests:
+        raise SystemExit("replay: the workload has no requests (check --rounds)")
+    return wl
+
+
+def _versions() -> dict[str, Any]:
+    out: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine()}
+    try:
+        import vllm
+
+        out["vllm_version"] = vllm.__version__
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        out["vllm_version"] = f"unavailable ({e})"
+    try:
+        import kvpool
+
+        out["kvpool_version"] = getattr(kvpool, "__version__", None)
+    except Exception:  # noqa: BLE001
+        out["kvpool_version"] = None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.block_size < 1 or args.num_blocks < 2:
+        raise SystemExit("replay: --block-size must be >= 1 and --num-blocks >= 2")
+    # The replay never touches a device; vLLM still needs to know which platform it is on.
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    wl = make_workload(args)
+    pool = PoolSpec(num_blocks=args.num_blocks, block_size=args.block_size)
+
+    from rich.console import Console
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    err = Console(stderr=True)
+
+    from kvpool.hf_offline import offline_hf_cache
+
+    # Enter the offline cache before vLLM/transformers/huggingface_hub are imported:
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import time.
+    with offline_hf_cache([wl.engine.model]):
+        from kvpool.replay import driver, report
+
+        t0 = time.perf_counter()
+        total = wl.num_rounds * len(args.modes)
+        show = not (args.no_progress or args.quiet)
+        if show:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            progress = Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn(), console=err, transient=False,
+            )
+            task = progress.add_task(f"replay {wl.name}", total=total)
+            progress.start()
+
+            def on_round(mode: str, rnd: int) -> None:
+                progress.update(task, advance=1, description=f"replay {wl.name} [{mode}] round {rnd}")
+        else:
+            progress = None
+            on_round = None
+
+        def on_skip(mode: str, why: str) -> None:
+            err.print(f"[bold red]replay: mode {mode} skipped:[/] {why}")
+            if progress is not None:
+                progress.update(task, advance=wl.num_rounds)
+
+        try:
+            res = driver.run_replay(wl, pool, args.modes, seed=args.seed, on_round=on_round, on_skip=on_skip)
+        finally:
+            if progress is not None:
+                progress.stop()
+        wall = time.perf_counter() - t0
+        for mode, r in res["modes"].items():
+            if "info" in r:
+                r["info"]["num_blocks"] = pool.num_blocks
+        out = {
+            "workload": wl.to_json(),
+            "config": {
+                "num_blocks": pool.num_blocks,
+                "block_size": pool.block_size,
+                "seed": args.seed,
+                "scale": args.scale,
+                "model": wl.engine.model,
+                "max_model_len": wl.max_model_len(),
+                "modes_requested": list(args.modes),
+                "argv": ["python", "-m", "kvpool", "replay", *(sys.argv[2:] if argv is None else argv)],
+                "wall_s": wall,
+                **_versions(),
+            },
+            "modes": res["modes"],
+            "comparison": driver.compare(res["modes"]),
+        }
+        if not args.quiet:
+            report.render_tables(out, console)
+            console.print(f"wall time {wall:.1f} s")
+        if args.json:
+            driver.write_json(args.json, out)
+        if args.plot:
+            report.plot(out, args.plot)
+    skipped = [m for m, r in res["modes"].items() if "skipped" in r]
+    return 1 if skipped else 0

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Create .venv at the repo root with vLLM 0.33.0 (no CUDA dependency tree) plus the
+# packages vllm.v1.core and the scheduler import on a CPU machine, then build kvpool
+# into it. Idempotent: a second run only rebuilds kvpool.
+#
+# Why --no-deps for vLLM: the wheel's full dependency set pulls a CUDA torch and
+# several GB of GPU libraries. The block pool and scheduler need only the small set
+# below (see docs/development.md). On a GPU host, install kvpool into the vLLM that
+# is already there instead (`pip install .`): it needs neither torch nor vLLM to build.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$here"
+PY="${PYTHON:-python3}"
+VLLM_VERSION="${KVPOOL_VLLM_VERSION:-0.33.0}"
+TORCH_VERSION="${KVPOOL_TORCH_VERSION:-2.13.0}"
+
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY="$here/.venv/bin/python"
+pip() { "$VPY" -m pip --disable-pip-version-check "$@"; }
+
+stamp=".venv/.kvpool-deps-$VLLM_VERSION"
+if [ ! -f "$stamp" ]; then
+  pip install -q --upgrade pip
+  # torch: on the CI-class machine this resolves to the CPU wheel that lies on disk.
+  pip install -q "torch==$TORCH_VERSION"
+  pip install -q --no-deps "vllm==$VLLM_VERSION"
+  pip install -q -r requirements/vllm-cpu-runtime.txt
+  # xgrammar depends on triton (about 1 GB); the scheduler only imports xgrammar.
+  pip install -q --no-deps "xgrammar==0.2.8"
+  pip install -q -r requirements/dev.txt
+  touch "$stamp"
+fi
+
+# kvpool itself: build isolation off so the already installed Cython/scikit-build-core
+# are used and a rebuild takes seconds.
+pip install -q scikit-build-core cython ninja cmake
+pip install -q --no-build-isolation --no-deps -e . \
+  || pip install -q --no-build-isolation --no-deps .
+echo "bootstrap: .venv ready ($("$VPY" -c 'import vllm, kvpool; print("vllm", vllm.__version__, "kvpool", kvpool.__version__)' 2>/dev/null || echo 'kvpool not importable yet'))"

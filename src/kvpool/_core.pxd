@@ -1,0 +1,49 @@
+# C-level declarations of kvpool's extension types, for other Cython modules.
+from libc.stdint cimport int32_t, int64_t
+from libcpp.vector cimport vector
+from cpython.ref cimport PyObject
+
+from kvpool.kvpool_cpp cimport FreeBlockList, FencedFreeQueue
+
+
+cdef class KVCacheBlock:
+    # block_id, ref_cnt and is_null are read by vLLM's Python hot loops. They are
+    # stored as object pointers and exposed through T_OBJECT_EX member descriptors
+    # (created at import, see _install_member_descriptors), the descriptor kind
+    # CPython's LOAD_ATTR specialises, so a read costs what a slots-dataclass read
+    # costs. Cython code reads them through the NULL-checking helpers in _core.pyx.
+    cdef PyObject* _block_id_o
+    cdef PyObject* _ref_cnt_o
+    cdef PyObject* _is_null_o
+    cdef public object pool
+    cdef public object _block_hash
+    cdef public object _block_hash_num_tokens
+    # The native free list this block is registered in (None: not registered) and its
+    # slot there. Fake head/tail blocks use the sentinel slots below.
+    cdef FreeKVCacheBlockQueue _queue
+    cdef int32_t _slot
+    # Links of a block that no native queue owns (plain Python semantics).
+    cdef object _prev_py
+    cdef object _next_py
+
+    cdef _set_link(self, value, bint forward)
+    cdef tuple _astuple(self)
+
+
+cdef class FreeKVCacheBlockQueue:
+    cdef FreeBlockList _list
+    cdef list _blocks
+    cdef bint _ids_ascending
+    cdef vector[int32_t] _scratch
+    cdef readonly KVCacheBlock fake_free_list_head
+    cdef readonly KVCacheBlock fake_free_list_tail
+    cdef object __weakref__
+
+    cdef _init_registered(self, list blist, bint ids_known_ascending)
+    cdef object _neighbour(self, KVCacheBlock block, bint forward)
+    cdef int32_t _slot_of(self, KVCacheBlock block) except -1
+    cdef int32_t _register(self, KVCacheBlock block) except -1
+    cdef void _release(self, KVCacheBlock block)
+    cdef inline object _block_at(self, int32_t slot)
+    cdef list _pop_front(self, int32_t n)
+    cdef int _collect_slots(self, object blocks) except -1

@@ -1,0 +1,842 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# distutils: language = c++
+"""Native KV cache block metadata, free block queue and block-pool hot loops.
+
+Extension types that vLLM 0.33.0 code touches directly, with the same names,
+constructors and attributes as ``vllm/v1/core/kv_cache_utils.py``:
+
+* :class:`KVCacheBlock` - ``block_id``, ``ref_cnt``, ``is_null`` are plain C fields
+  exposed as member descriptors (read as fast as a slots dataclass field).
+* :class:`FreeKVCacheBlockQueue` - the free list lives in two int32 link arrays
+  (``cpp/free_block_list.h``), not in Python object references. A block's
+  ``prev_free_block`` / ``next_free_block`` read those arrays, so code that inspects
+  the links sees the truth.
+
+The ``pool_*`` functions are the per-block loops of ``BlockPool`` (allocation, free,
+touch, unpin, evict). Each validates every block before it changes anything, so a
+rejected call leaves ref counts and the free list exactly as they were.
+"""
+
+cimport cython
+import gc
+from cpython.list cimport PyList_New, PyList_SET_ITEM, PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
+from libc.stdint cimport int32_t, int64_t
+from libcpp.vector cimport vector
+
+from kvpool.kvpool_cpp cimport FreeBlockList, FencedFreeQueue
+
+
+cdef extern from "Python.h":
+    bint _PyLong_CheckExact "PyLong_CheckExact"(PyObject* o)
+    long _PyLong_AsLong "PyLong_AsLong"(PyObject* o) except? -1
+    ctypedef struct PyMemberDef:
+        const char* name
+        int type
+        Py_ssize_t offset
+        int flags
+        const char* doc
+    ctypedef struct _TypeObject "PyTypeObject":
+        PyObject* tp_dict
+    object PyDescr_NewMember(_TypeObject* tp, PyMemberDef* member)
+    void PyType_Modified(_TypeObject* tp)
+
+cdef extern from "structmember.h":
+    int T_OBJECT_EX
+
+cdef extern from "fastint.h":
+    long kvpool_long_value(PyObject* o) except? -1
+
+
+cdef int32_t HEAD_SLOT = -2
+cdef int32_t TAIL_SLOT = -3
+cdef int32_t UNREGISTERED = -1
+
+
+# -- NULL-checking access to the member-descriptor fields -------------------------------
+cdef inline int _store(PyObject** field, object value) except -1:
+    Py_INCREF(value)
+    Py_XDECREF(field[0])
+    field[0] = <PyObject*>value
+    return 0
+
+
+cdef inline long _ref_cnt(KVCacheBlock b) except? -1:
+    cdef PyObject* p = b._ref_cnt_o
+    if p is NULL:
+        raise AttributeError("ref_cnt")
+    return kvpool_long_value(p)
+
+
+# Reference counts are small: store shared int objects instead of creating new ones.
+cdef list _SMALL_INTS = list(range(1024))
+
+
+cdef inline int _set_ref_cnt(KVCacheBlock b, long value) except -1:
+    if 0 <= value < 1024:
+        return _store(&b._ref_cnt_o, <object>PyList_GET_ITEM(_SMALL_INTS, value))
+    return _store(&b._ref_cnt_o, value)
+
+
+cdef inline bint _is_null(KVCacheBlock b) except -1:
+    cdef PyObject* p = b._is_null_o
+    if p is <PyObject*>False:
+        return 0
+    if p is <PyObject*>True:
+        return 1
+    if p is NULL:
+        raise AttributeError("is_null")
+    return bool(<object>p)
+
+
+cdef inline object _block_id(KVCacheBlock b):
+    return None if b._block_id_o is NULL else <object>b._block_id_o
+
+
+class BlockStateError(ValueError, RuntimeError):
+    """A block is in the wrong state for the operation.
+
+    Raised for a double free, removing a block that is not free, adding a block that
+    already is, or a block that belongs to another pool's free list. Subclasses both
+    ``ValueError`` and ``RuntimeError`` because vLLM's pure-Python queue raises
+    ``RuntimeError`` for some of these and callers may catch either.
+    """
+
+
+class BlockIdOutOfRangeError(IndexError, ValueError):
+    """A block id outside ``[0, num_gpu_blocks)``."""
+
+
+# --------------------------------------------------------------------------------------
+# KVCacheBlock
+# --------------------------------------------------------------------------------------
+@cython.auto_pickle(False)
+cdef class KVCacheBlock:
+    """KV-cache block metadata (mirrors ``vllm.v1.core.kv_cache_utils.KVCacheBlock``,
+    vLLM 0.33.0, a ``@dataclass(slots=True)``).
+
+    Args:
+        block_id: block id, ``0 <= block_id < num_gpu_blocks`` (``-1`` for the fake
+            head/tail of a free queue). C ``int``.
+        ref_cnt: number of requests holding the block.
+        _block_hash / _block_hash_num_tokens: prefix-cache key and the tokens it covers.
+        prev_free_block / next_free_block: only honoured for a block that no kvpool
+            free queue owns; a queue-owned block's links are the queue's.
+        is_null: the null block (block 0 of a pool), never freed or cached.
+        pool: keyword only; the pool that owns the block (deferred frees may hold
+            blocks of several pools). Not part of equality.
+
+    Equality is the dataclass's field-by-field equality (``pool`` excluded) and the
+    type is unhashable, as in vLLM.
+    """
+
+    def __cinit__(self):
+        self._slot = UNREGISTERED
+        _store(&self._block_id_o, 0)
+        _store(&self._ref_cnt_o, 0)
+        _store(&self._is_null_o, False)
+
+    def __dealloc__(self):
+        Py_XDECREF(self._block_id_o)
+        Py_XDECREF(self._ref_cnt_o)
+        Py_XDECREF(self._is_null_o)
+        self._block_id_o = self._ref_cnt_o = self._is_null_o = NULL
+
+    def __init__(self, block_id, ref_cnt=0, _block_hash=None,
+                 _block_hash_num_tokens=None, prev_free_block=None,
+                 next_free_block=None, is_null=False, *, pool=None):
+        _store(&self._block_id_o, block_id)
+        _store(&self._ref_cnt_o, ref_cnt)
+        _store(&self._is_null_o, is_null)
+        self._block_hash = _block_hash
+        self._block_hash_num_tokens = _block_hash_num_tokens
+        self.pool = pool
+        if prev_free_block is not None:
+            self.prev_free_block = prev_free_block
+        if next_free_block is not None:
+            self.next_free_block = next_free_block
+
+    @property
+    def block_hash(self):
+        """The hash key (block hash + KV cache group id), or None if not cached."""
+        return self._block_hash
+
+    @property
+    def block_hash_num_tokens(self):
+        """Number of prefix tokens covered by ``block_hash`` (None if not cached)."""
+        return self._block_hash_num_tokens
+
+    def set_block_hash(self, block_hash, num_tokens=None):
+        """Set the prefix-cache key. Raises AssertionError if the block already has one
+        (as vLLM's ``assert`` does)."""
+        if self._block_hash is not None or self._block_hash_num_tokens is not None:
+            raise AssertionError("The block already has a hash. This should not happen.")
+        self._block_hash = block_hash
+        self._block_hash_num_tokens = num_tokens
+
+    def reset_hash(self):
+        """Reset the block hash when the block is evicted."""
+        self._block_hash = None
+        self._block_hash_num_tokens = None
+
+    @property
+    def prev_free_block(self):
+        """Previous block in the free queue (the fake head for the first free block),
+        or None when the block is not free."""
+        if self._queue is None:
+            return self._prev_py
+        return self._queue._neighbour(self, False)
+
+    @prev_free_block.setter
+    def prev_free_block(self, value):
+        self._set_link(value, False)
+
+    @property
+    def next_free_block(self):
+        """Next block in the free queue (the fake tail for the last free block), or None
+        when the block is not free."""
+        if self._queue is None:
+            return self._next_py
+        return self._queue._neighbour(self, True)
+
+    @next_free_block.setter
+    def next_free_block(self, value):
+        self._set_link(value, True)
+
+    cdef _set_link(self, value, bint forward):
+        if self._queue is None:
+            if forward:
+                self._next_py = value
+            else:
+                self._prev_py = value
+            return
+        # vLLM code (and the RFC's reorder body) clears links before rebuilding a
+        # queue; for a natively linked block that is a no-op.
+        if value is None:
+            return
+        raise AttributeError(
+            f"links of KVCacheBlock {_block_id(self)} are managed by its "
+            "kvpool FreeKVCacheBlockQueue; use the queue's methods to move it")
+
+    @property
+    def is_free(self):
+        """True if the block is in a kvpool free queue."""
+        if self._queue is None or self._slot < 0:
+            return False
+        return self._queue._list.contains(self._slot)
+
+    def __repr__(self):
+        prev_block = self.prev_free_block
+        next_block = self.next_free_block
+        prev_block_id = prev_block.block_id if prev_block else None
+        next_block_id = next_block.block_id if next_block else None
+        return (
+            f"KVCacheBlock(block_id={self.block_id}, "
+            f"ref_cnt={self.ref_cnt}, "
+            f"_block_hash={self._block_hash!r}, "
+            f"_block_hash_num_tokens={self._block_hash_num_tokens}, "
+            f"prev_free_block={prev_block_id}, "
+            f"next_free_block={next_block_id})"
+        )
+
+    cdef tuple _astuple(self):
+        return (self.block_id, self.ref_cnt, self._block_hash,
+                self._block_hash_num_tokens, self.prev_free_block,
+                self.next_free_block, self.is_null)
+
+    def __eq__(self, other):
+        if self is other:
+            return True
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._astuple() == (<KVCacheBlock>other)._astuple()
+
+    def __ne__(self, other):
+        result = self.__eq__(other)
+        if result is NotImplemented:
+            return result
+        return not result
+
+    __hash__ = None
+
+
+# --------------------------------------------------------------------------------------
+# FreeKVCacheBlockQueue
+# --------------------------------------------------------------------------------------
+cdef inline KVCacheBlock _new_block(object block_id, object pool):
+    cdef KVCacheBlock b = KVCacheBlock.__new__(KVCacheBlock)
+    _store(&b._block_id_o, block_id)
+    b.pool = pool
+    return b
+
+
+@cython.auto_pickle(False)
+cdef class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks in eviction order, native links.
+
+    Mirrors ``vllm.v1.core.kv_cache_utils.FreeKVCacheBlockQueue`` (vLLM 0.33.0): the
+    front is allocated (evicted) first; ``popleft``/``popleft_n`` take from the front,
+    ``append``/``append_n`` add at the tail (LRU), ``prepend_n`` at the front (LIFO
+    reuse), ``remove`` takes a block out of the middle in O(1). The queue starts in
+    the order of the given blocks. ``fake_free_list_head`` / ``fake_free_list_tail``
+    are ``KVCacheBlock(block_id=-1)`` sentinels whose links read the native list.
+
+    Each block belongs to at most one queue. Building a queue from blocks owned by
+    another queue takes them over (the RFC's reorder body builds a new queue from
+    ``pool.blocks``). Blocks no queue owns are adopted when appended.
+
+    Errors (nothing is changed when one is raised):
+        TypeError: an object that is not a kvpool ``KVCacheBlock``.
+        BlockStateError (ValueError, RuntimeError): removing a block that is not
+            free, adding one that already is or appears twice, a block of another
+            queue.
+        ValueError: popping from an empty queue ("No free blocks available") or more
+            blocks than are free.
+    """
+
+    def __init__(self, blocks):
+        cdef list blist = list(blocks)
+        cdef Py_ssize_t n = len(blist), i
+        cdef KVCacheBlock b
+        cdef set seen = set()
+        for i in range(n):
+            obj = blist[i]
+            if not isinstance(obj, KVCacheBlock):
+                raise TypeError(
+                    f"FreeKVCacheBlockQueue takes kvpool KVCacheBlock objects, got {type(obj).__name__}")
+            if id(obj) in seen:
+                raise BlockStateError(f"block {(<KVCacheBlock>obj).block_id} appears twice")
+            seen.add(id(obj))
+        for i in range(n):
+            b = <KVCacheBlock>blist[i]
+            if b._queue is not None and b._queue is not self:
+                b._queue._release(b)
+            b._queue = self
+            b._slot = <int32_t>i
+            b._prev_py = None
+            b._next_py = None
+        self._init_registered(blist, False)
+
+    cdef _init_registered(self, list blist, bint ids_known_ascending):
+        cdef Py_ssize_t n = len(blist), i
+        self._blocks = blist
+        self._list = FreeBlockList(<int32_t>n, True)
+        self._ids_ascending = True
+        if not ids_known_ascending:
+            for i in range(1, n):
+                if not (_block_id(<KVCacheBlock>blist[i]) > _block_id(<KVCacheBlock>blist[i - 1])):
+                    self._ids_ascending = False
+                    break
+        self.fake_free_list_head = _new_block(-1, None)
+        self.fake_free_list_head._queue = self
+        self.fake_free_list_head._slot = HEAD_SLOT
+        self.fake_free_list_tail = _new_block(-1, None)
+        self.fake_free_list_tail._queue = self
+        self.fake_free_list_tail._slot = TAIL_SLOT
+
+    # -- internal helpers ---------------------------------------------------------------
+    cdef int32_t _slot_of(self, KVCacheBlock block) except -1:
+        if block._queue is not self or block._slot < 0:
+            if block._queue is None:
+                raise BlockStateError(f"block {block.block_id} is not part of this free queue")
+            raise BlockStateError(
+                f"foreign block {block.block_id}: it belongs to another pool's free queue")
+        return block._slot
+
+    cdef int32_t _register(self, KVCacheBlock block) except -1:
+        cdef int32_t slot = <int32_t>len(self._blocks)
+        self._list.grow(1)
+        self._blocks.append(block)
+        block._queue = self
+        block._slot = slot
+        block._prev_py = None
+        block._next_py = None
+        if slot > 0 and self._ids_ascending:
+            if not (_block_id(block) > _block_id(<KVCacheBlock>self._blocks[slot - 1])):
+                self._ids_ascending = False
+        return slot
+
+    cdef void _release(self, KVCacheBlock block):
+        # Another queue takes the block over: forget it here, keeping the slot empty.
+        cdef int32_t slot = block._slot
+        if slot >= 0 and block._queue is self:
+            if self._list.contains(slot):
+                self._list.remove(slot)
+            self._blocks[slot] = None
+        block._queue = None
+        block._slot = UNREGISTERED
+
+    cdef inline object _block_at(self, int32_t slot):
+        return <object>PyList_GET_ITEM(self._blocks, slot)
+
+    cdef object _neighbour(self, KVCacheBlock block, bint forward):
+        cdef int32_t slot = block._slot, other
+        if slot == HEAD_SLOT:
+            if not forward:
+                return None
+            return self.fake_free_list_tail if self._list.empty() else self._block_at(self._list.front())
+        if slot == TAIL_SLOT:
+            if forward:
+                return None
+            return self.fake_free_list_head if self._list.empty() else self._block_at(self._list.back())
+        if slot < 0 or not self._list.contains(slot):
+            return None
+        if forward:
+            other = self._list.next_of(slot)
+            return self.fake_free_list_tail if other < 0 else self._block_at(other)
+        other = self._list.prev_of(slot)
+        return self.fake_free_list_head if other < 0 else self._block_at(other)
+
+    cdef list _pop_front(self, int32_t n):
+        cdef list out
+        cdef Py_ssize_t i
+        cdef object b
+        if n < 0:
+            raise ValueError(f"cannot pop a negative number of blocks ({n})")
+        if n > self._list.size():
+            raise ValueError(f"cannot pop {n} blocks: only {self._list.size()} free")
+        self._scratch.resize(n)
+        self._list.popleft_n(n, self._scratch.data())
+        out = PyList_New(n)
+        for i in range(n):
+            b = <object>PyList_GET_ITEM(self._blocks, self._scratch[i])
+            Py_INCREF(b)
+            PyList_SET_ITEM(out, i, b)
+        return out
+
+    cdef int _collect_slots(self, object blocks) except -1:
+        # Slots of `blocks` into self._scratch; adopts blocks that no queue owns.
+        cdef list blist = blocks if type(blocks) is list else list(blocks)
+        cdef Py_ssize_t n = PyList_GET_SIZE(blist), i
+        cdef object obj
+        cdef KVCacheBlock b
+        self._scratch.resize(n)
+        for i in range(n):
+            obj = <object>PyList_GET_ITEM(blist, i)
+            if not isinstance(obj, KVCacheBlock):
+                raise TypeError(f"expected a kvpool KVCacheBlock, got {type(obj).__name__}")
+            b = <KVCacheBlock>obj
+            if b._queue is None:
+                self._register(b)
+            self._scratch[i] = self._slot_of(b)
+        return 0
+
+    # -- vLLM 0.33.0 API ---------------------------------------------------------------------
+    @property
+    def num_free_blocks(self):
+        """Number of free blocks in the queue."""
+        return self._list.size()
+
+    def popleft(self):
+        """Pop the first free block. Raises ValueError("No free blocks available")."""
+        cdef int32_t slot
+        if self._list.empty():
+            raise ValueError("No free blocks available")
+        slot = self._list.popleft()
+        return self._block_at(slot)
+
+    def popleft_n(self, int n):
+        """Pop the first ``n`` free blocks, as a list of length ``n`` in queue order.
+
+        Raises ValueError if ``n`` is negative or more than ``num_free_blocks``.
+        """
+        return self._pop_front(n)
+
+    def remove(self, KVCacheBlock block not None):
+        """Remove a free block from anywhere in the queue, O(1).
+
+        Raises BlockStateError if the block is not free or belongs to another queue.
+        """
+        cdef int32_t slot = self._slot_of(block)
+        if not self._list.contains(slot):
+            raise BlockStateError(f"remove() called on block {block.block_id}, which is not free")
+        self._list.remove(slot)
+
+    def append(self, KVCacheBlock block not None):
+        """Put a block at the tail (evicted last). Raises BlockStateError if it is
+        already free or belongs to another queue."""
+        self._collect_slots([block])
+        try:
+            self._list.append_n(self._scratch.data(), 1)
+        except ValueError as e:
+            raise BlockStateError(f"append() of block {block.block_id}: {e}") from None
+
+    def append_n(self, blocks):
+        """Put ``blocks`` at the tail, in the given order."""
+        self._collect_slots(blocks)
+        try:
+            self._list.append_n(self._scratch.data(), <int32_t>self._scratch.size())
+        except ValueError as e:
+            raise BlockStateError(f"append_n(): {e}") from None
+
+    def prepend_n(self, blocks):
+        """Put ``blocks`` at the front (allocated first), in the given order."""
+        self._collect_slots(blocks)
+        try:
+            self._list.prepend_n(self._scratch.data(), <int32_t>self._scratch.size())
+        except ValueError as e:
+            raise BlockStateError(f"prepend_n(): {e}") from None
+
+    def get_all_free_blocks(self):
+        """All free blocks in eviction order (a new list)."""
+        cdef vector[int32_t] order = self._list.to_vector()
+        return [self._block_at(s) for s in order]
+
+    def iter_blocks_after(self, cursor):
+        """Iterate free blocks in eviction order after ``cursor`` (from the front when
+        ``cursor`` is None). Follows the live links, like vLLM's generator."""
+        curr = self.fake_free_list_head.next_free_block if cursor is None else cursor.next_free_block
+        tail = self.fake_free_list_tail
+        while curr is not None and curr is not tail:
+            yield curr
+            curr = curr.next_free_block
+
+    # -- kvpool additions --------------------------------------------------------------------
+    def rebuild_canonical(self):
+        """Relink every free block in ascending ``block_id`` order, O(N) (O(N log N)
+        for a queue whose blocks were not registered in ascending id order). The set of
+        free blocks is unchanged."""
+        cdef vector[int32_t] order
+        if self._ids_ascending:
+            self._list.rebuild_canonical()
+            return
+        free = self.get_all_free_blocks()
+        free.sort(key=lambda blk: blk.block_id)
+        order.reserve(len(free))
+        for blk in free:
+            order.push_back((<KVCacheBlock>blk)._slot)
+        self._list.rebuild_in_order(order.data(), <int32_t>order.size())
+
+    def free_block_ids(self):
+        """Block ids of the free blocks in eviction order (a new list of int)."""
+        cdef vector[int32_t] order = self._list.to_vector()
+        return [_block_id(<KVCacheBlock>self._block_at(s)) for s in order]
+
+    def __contains__(self, block):
+        if not isinstance(block, KVCacheBlock):
+            return False
+        cdef KVCacheBlock b = <KVCacheBlock>block
+        return b._queue is self and b._slot >= 0 and self._list.contains(b._slot)
+
+    def check_invariants(self):
+        """Raise RuntimeError if the native links are inconsistent. For tests."""
+        self._list.check_invariants()
+
+
+def make_pool_blocks(object pool, int num_blocks):
+    """Create ``num_blocks`` blocks (ids ``0..num_blocks-1``, ``pool=pool``) and a free
+    queue holding all of them in id order, without per-block Python calls.
+
+    Returns:
+        ``(blocks, free_block_queue)``: ``list[KVCacheBlock]`` of length
+        ``num_blocks`` and the queue.
+    Raises:
+        ValueError: ``num_blocks <= 0``.
+    """
+    cdef Py_ssize_t i
+    cdef list blocks
+    cdef KVCacheBlock b
+    cdef FreeKVCacheBlockQueue queue
+    if num_blocks <= 0:
+        raise ValueError(f"num_gpu_blocks must be > 0, got {num_blocks}")
+    # The blocks are GC-tracked (pool <-> block cycles must be collectable), but a
+    # collection in the middle of creating them only re-walks the new objects.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _make_pool_blocks(pool, num_blocks)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+cdef tuple _make_pool_blocks(object pool, int num_blocks):
+    cdef Py_ssize_t i
+    cdef list blocks
+    cdef KVCacheBlock b
+    cdef FreeKVCacheBlockQueue queue
+    queue = FreeKVCacheBlockQueue.__new__(FreeKVCacheBlockQueue)
+    blocks = PyList_New(num_blocks)
+    for i in range(num_blocks):
+        b = KVCacheBlock.__new__(KVCacheBlock)
+        if i < 1024:
+            _store(&b._block_id_o, <object>PyList_GET_ITEM(_SMALL_INTS, i))
+        else:
+            _store(&b._block_id_o, i)
+        b.pool = pool
+        b._queue = queue
+        b._slot = <int32_t>i
+        Py_INCREF(b)
+        PyList_SET_ITEM(blocks, i, b)
+    queue._init_registered(blocks, True)
+    return blocks, queue
+
+
+# --------------------------------------------------------------------------------------
+# BlockPool hot loops (vllm/v1/core/block_pool.py, vLLM 0.33.0)
+# --------------------------------------------------------------------------------------
+cdef inline KVCacheBlock _as_block(object obj):
+    if not isinstance(obj, KVCacheBlock):
+        raise TypeError(f"expected a kvpool KVCacheBlock, got {type(obj).__name__}")
+    return <KVCacheBlock>obj
+
+
+def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, int num_blocks,
+                        bint enable_caching, dict cached_block_hashes_by_block,
+                        object evict_cached_block):
+    """``BlockPool.get_new_blocks`` without per-block Python calls.
+
+    Pops ``num_blocks`` from the front of the free queue; for a block that still has
+    a prefix-cache hash (or extra hashes in ``cached_block_hashes_by_block``) calls
+    ``evict_cached_block(block)``; sets ``ref_cnt`` to 1.
+
+    Returns:
+        ``list[KVCacheBlock]`` of length ``num_blocks``.
+    Raises:
+        ValueError: ``num_blocks`` negative or more than the free blocks.
+        BlockStateError: a free block with ``ref_cnt != 0`` (nothing is popped).
+    """
+    cdef list ret
+    cdef Py_ssize_t i, j, n
+    cdef KVCacheBlock b
+    cdef bint has_extra = bool(cached_block_hashes_by_block)
+    if num_blocks > queue._list.size():
+        raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+    ret = queue._pop_front(num_blocks)
+    n = PyList_GET_SIZE(ret)
+    for i in range(n):
+        b = <KVCacheBlock>PyList_GET_ITEM(ret, i)
+        if _ref_cnt(b) != 0:
+            # A free block that is held: the pool was corrupted from outside. Put
+            # every popped block back where it was before raising.
+            for j in range(i):
+                _set_ref_cnt(<KVCacheBlock>PyList_GET_ITEM(ret, j), 0)
+            queue._list.prepend_n_unchecked(queue._scratch.data(), <int32_t>n)
+            raise BlockStateError(
+                f"free block {b.block_id} has ref_cnt={b.ref_cnt}; the pool is corrupted")
+        if enable_caching and (b._block_hash is not None or
+                               (has_extra and _block_id(b) in cached_block_hashes_by_block)):
+            evict_cached_block(b)
+        _set_ref_cnt(b, 1)
+    return ret
+
+
+cdef object _LIST_REVERSEITERATOR = type(reversed([]))
+
+
+cdef list _as_sequence(object blocks, Py_ssize_t* start, Py_ssize_t* step, Py_ssize_t* count):
+    # vLLM frees `reversed(list)` on every request finish. Reading the iterator's
+    # list and position (its pickle state) walks the list backwards in place
+    # instead of copying it; anything else that is not a list is copied once.
+    cdef list seq
+    cdef Py_ssize_t index
+    if type(blocks) is list:
+        seq = <list>blocks
+        start[0], step[0], count[0] = 0, 1, PyList_GET_SIZE(seq)
+        return seq
+    if type(blocks) is _LIST_REVERSEITERATOR:
+        state = blocks.__reduce__()
+        if len(state) >= 3 and type(state[1][0]) is list:
+            seq = <list>state[1][0]
+            index = min(<Py_ssize_t>state[2], PyList_GET_SIZE(seq) - 1)
+            blocks.__setstate__(-1)  # consumed, as iterating it would leave it
+            start[0], step[0], count[0] = index, -1, index + 1
+            return seq
+        start[0], step[0], count[0] = 0, 1, 0
+        return []
+    seq = list(blocks)
+    start[0], step[0], count[0] = 0, 1, PyList_GET_SIZE(seq)
+    return seq
+
+
+cdef _undo_decrements(list blocks, Py_ssize_t start, Py_ssize_t step, Py_ssize_t upto, object pool):
+    cdef Py_ssize_t k
+    cdef KVCacheBlock b
+    for k in range(upto):
+        b = <KVCacheBlock>PyList_GET_ITEM(blocks, start + k * step)
+        if _is_null(b) or (b.pool is not None and b.pool is not pool):
+            continue
+        _set_ref_cnt(b, _ref_cnt(b) + 1)
+
+
+def pool_free_blocks(object pool, FreeKVCacheBlockQueue queue not None,
+                     object ordered_blocks, bint enable_caching):
+    """``BlockPool.free_blocks``: decrement ``ref_cnt``; blocks reaching 0 go to the
+    front of the free queue if they have no hash (LIFO reuse for GPU locality) or
+    caching is off, else to the tail (LRU). The null block is skipped.
+
+    Args:
+        ordered_blocks: iterable of ``KVCacheBlock`` in eviction order (first freed is
+            evicted first).
+
+    Returns:
+        ``dict[pool, list[KVCacheBlock]]`` of blocks owned by other pools (the caller
+        forwards them), or None.
+    Raises:
+        TypeError: not a kvpool block.
+        BlockStateError: double free (``ref_cnt`` already 0 or the block is already
+            free) or a block of another pool's queue with ``pool`` unset. Nothing
+            changes when raised.
+    """
+    cdef Py_ssize_t start, step, n, k
+    cdef list blocks = _as_sequence(ordered_blocks, &start, &step, &n)
+    cdef KVCacheBlock b
+    cdef vector[int32_t] first
+    cdef vector[int32_t] last
+    cdef dict others = None
+    cdef object bpool
+    cdef long refs
+    first.reserve(n)
+    for k in range(n):
+        obj = <object>PyList_GET_ITEM(blocks, start + k * step)
+        if not isinstance(obj, KVCacheBlock):
+            _undo_decrements(blocks, start, step, k, pool)
+            raise TypeError(f"free_blocks() expects kvpool KVCacheBlock objects, got {type(obj).__name__}")
+        b = <KVCacheBlock>obj
+        if _is_null(b):
+            continue
+        bpool = b.pool
+        if bpool is not None and bpool is not pool:
+            if others is None:
+                others = {}
+            others.setdefault(bpool, []).append(b)
+            continue
+        refs = _ref_cnt(b)
+        if b._queue is not queue or b._slot < 0 or refs <= 0 or queue._list.contains_unchecked(b._slot):
+            _undo_decrements(blocks, start, step, k, pool)
+            if b._queue is not queue or b._slot < 0:
+                raise BlockStateError(
+                    f"free_blocks(): block {b.block_id} does not belong to this pool")
+            raise BlockStateError(
+                f"free_blocks(): double free of block {b.block_id} (ref_cnt={b.ref_cnt})")
+        _set_ref_cnt(b, refs - 1)
+        if refs == 1:
+            if b._block_hash is None or not enable_caching:
+                first.push_back(b._slot)
+            else:
+                last.push_back(b._slot)
+    # Every block was checked above (not free, listed once per reference), so these
+    # batch links cannot fail.
+    if first.size():
+        queue._list.prepend_n_unchecked(first.data(), <int32_t>first.size())
+    if last.size():
+        queue._list.append_n_unchecked(last.data(), <int32_t>last.size())
+    return others
+
+
+def pool_touch(FreeKVCacheBlockQueue queue not None, object blocks):
+    """``BlockPool.touch``: ``ref_cnt += 1``; a block with ``ref_cnt == 0`` (an
+    eviction candidate) is first removed from the free queue. Null blocks are skipped.
+
+    Raises:
+        BlockStateError: a block with ``ref_cnt == 0`` that is not in this pool's free
+            queue. Nothing changes when raised.
+    """
+    cdef list blist = blocks if type(blocks) is list else list(blocks)
+    cdef Py_ssize_t n = PyList_GET_SIZE(blist), i
+    cdef KVCacheBlock b
+    cdef long refs
+    for i in range(n):
+        b = _as_block(<object>PyList_GET_ITEM(blist, i))
+        if _is_null(b) or _ref_cnt(b) != 0:
+            continue
+        queue._slot_of(b)
+        if not queue._list.contains(b._slot):
+            raise BlockStateError(
+                f"touch(): block {b.block_id} has ref_cnt=0 but is not in the free queue")
+    for i in range(n):
+        b = <KVCacheBlock>PyList_GET_ITEM(blist, i)
+        if _is_null(b):
+            continue
+        refs = _ref_cnt(b)
+        if refs == 0:
+            queue._list.remove(b._slot)
+        _set_ref_cnt(b, refs + 1)
+
+
+def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,
+                      dict reuse_watchers, object on_reuse):
+    """``BlockPool.unpin_blocks``: ``ref_cnt -= 1``, register ``on_reuse`` for each
+    block, and append blocks reaching 0 to the tail of the free queue.
+
+    Raises:
+        BlockStateError: a null block, a block with ``ref_cnt <= 0`` (counting repeats
+            in ``blocks``), or a block of another queue. Nothing changes when raised.
+    """
+    cdef list blist = blocks if type(blocks) is list else list(blocks)
+    cdef Py_ssize_t n = PyList_GET_SIZE(blist), i
+    cdef KVCacheBlock b, bj
+    cdef vector[int32_t] released
+    for i in range(n):
+        b = _as_block(<object>PyList_GET_ITEM(blist, i))
+        if _is_null(b) or _ref_cnt(b) <= 0 or b._queue is not queue:
+            for j in range(i):
+                bj = <KVCacheBlock>PyList_GET_ITEM(blist, j)
+                _set_ref_cnt(bj, _ref_cnt(bj) + 1)
+            raise BlockStateError(
+                f"unpin_blocks(): block {b.block_id} is null, not held (ref_cnt={b.ref_cnt}) "
+                "or not in this pool")
+        _set_ref_cnt(b, _ref_cnt(b) - 1)
+    for i in range(n):
+        b = <KVCacheBlock>PyList_GET_ITEM(blist, i)
+        reuse_watchers[_block_id(b)] = on_reuse
+        if _ref_cnt(b) == 0 and not queue._list.contains(b._slot):
+            released.push_back(b._slot)
+    if released.size():
+        queue._list.append_n(released.data(), <int32_t>released.size())
+
+
+def pool_blocks_to_evict(list blocks, object block_ids, dict cached_block_hashes_by_block,
+                         bint every_block):
+    """Blocks named by ``block_ids`` that ``BlockPool.evict_blocks`` must visit: those
+    with a prefix-cache hash, or all of them when ``every_block`` (a metrics collector
+    wants an eviction callback for each).
+
+    Raises:
+        BlockIdOutOfRangeError: an id outside ``[0, len(blocks))`` (checked for every
+            id before any block is returned).
+    """
+    cdef Py_ssize_t n = PyList_GET_SIZE(blocks)
+    cdef list ids = list(block_ids)
+    cdef list out = []
+    cdef KVCacheBlock b
+    for block_id in ids:
+        if not (0 <= block_id < n):
+            raise BlockIdOutOfRangeError(
+                f"Invalid block_id {block_id}: the pool has blocks [0, {n}). This "
+                "indicates a bug in the KV connector - workers should only report "
+                "block IDs that were allocated by the scheduler.")
+    for block_id in ids:
+        b = <KVCacheBlock>PyList_GET_ITEM(blocks, <Py_ssize_t>block_id)
+        if every_block or b._block_hash is not None or _block_id(b) in cached_block_hashes_by_block:
+            out.append(b)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# T_OBJECT_EX member descriptors for KVCacheBlock.block_id / ref_cnt / is_null
+# --------------------------------------------------------------------------------------
+cdef PyMemberDef _block_members[3]
+
+
+cdef _install_member_descriptors():
+    cdef KVCacheBlock probe = KVCacheBlock.__new__(KVCacheBlock)
+    cdef char* base = <char*><PyObject*>probe
+    cdef _TypeObject* tp = <_TypeObject*>KVCacheBlock
+    cdef int i
+    _block_members[0].name = b"block_id"
+    _block_members[0].offset = <char*>&probe._block_id_o - base
+    _block_members[1].name = b"ref_cnt"
+    _block_members[1].offset = <char*>&probe._ref_cnt_o - base
+    _block_members[2].name = b"is_null"
+    _block_members[2].offset = <char*>&probe._is_null_o - base
+    for i in range(3):
+        _block_members[i].type = T_OBJECT_EX
+        _block_members[i].flags = 0
+        _block_members[i].doc = NULL
+        descr = PyDescr_NewMember(tp, &_block_members[i])
+        (<dict>tp.tp_dict)[(<bytes>_block_members[i].name).decode()] = descr
+    PyType_Modified(tp)
+
+
+_install_member_descriptors()

@@ -1,0 +1,21 @@
+/* Fast read of a small Python int (a block's ref_cnt) without a call into
+ * PyLong_AsLong: ref counts are almost always one-digit ints. Falls back to
+ * PyLong_AsLong for anything else (which also handles non-compact values). */
+#pragma once
+#include <Python.h>
+
+static inline long kvpool_long_value(PyObject* o) {
+#if PY_VERSION_HEX >= 0x030C0000
+  if (PyLong_CheckExact(o) && PyUnstable_Long_IsCompact((PyLongObject*)o)) {
+    return (long)PyUnstable_Long_CompactValue((PyLongObject*)o);
+  }
+#else
+  if (PyLong_CheckExact(o)) {
+    Py_ssize_t size = Py_SIZE(o);
+    if (size == 0) return 0;
+    if (size == 1) return (long)((PyLongObject*)o)->ob_digit[0];
+    if (size == -1) return -(long)((PyLongObject*)o)->ob_digit[0];
+  }
+#endif
+  return PyLong_AsLong(o);
+}

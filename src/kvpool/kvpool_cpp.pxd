@@ -1,0 +1,52 @@
+# Declarations of the plain C++17 core in cpp/ (no Python headers there).
+# `except +` turns std::out_of_range into IndexError, std::invalid_argument into
+# ValueError and any other std::exception into RuntimeError.
+from libc.stdint cimport int32_t, int64_t
+from libcpp cimport bool as cbool
+from libcpp.vector cimport vector
+
+
+cdef extern from "free_block_list.h" namespace "kvpool" nogil:
+    cdef cppclass FreeBlockList:
+        FreeBlockList() except +
+        FreeBlockList(int32_t capacity, cbool all_free) except +
+        int32_t capacity()
+        int32_t size()
+        cbool empty()
+        cbool contains(int32_t slot) except +
+        int32_t front()
+        int32_t back()
+        int32_t next_of(int32_t slot) except +
+        int32_t prev_of(int32_t slot) except +
+        int32_t popleft() except +
+        void popleft_n(int32_t n, int32_t* out) except +
+        void remove(int32_t slot) except +
+        void append(int32_t slot) except +
+        void append_n(const int32_t* slots, int32_t n) except +
+        void prepend_n(const int32_t* slots, int32_t n) except +
+        void append_n_unchecked(const int32_t* slots, int32_t n)
+        void prepend_n_unchecked(const int32_t* slots, int32_t n)
+        cbool contains_unchecked(int32_t slot)
+        void grow(int32_t extra) except +
+        void rebuild_canonical()
+        void rebuild_in_order(const int32_t* slots, int32_t n) except +
+        vector[int32_t] to_vector() except +
+        void check_invariants() except +
+
+
+cdef extern from "fenced_free_queue.h" namespace "kvpool" nogil:
+    cdef cppclass FencedFreeQueue:
+        cppclass Entry:
+            int64_t fence_seq
+            size_t begin
+            size_t end
+        void push(int64_t fence_seq, const int64_t* handles, size_t n) except +
+        size_t ready_entries(int64_t processed_step_seq)
+        size_t drain(int64_t processed_step_seq, vector[int64_t]& out, vector[size_t]* entry_ends) except +
+        void pop_front(vector[int64_t]& out) except +
+        size_t num_entries()
+        size_t num_blocks()
+        cbool empty()
+        const Entry& entry(size_t i) except +
+        const int64_t* handles()
+        void clear()
