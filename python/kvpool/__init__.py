@@ -18,6 +18,7 @@ __all__ = [
     "BlockIdOutOfRangeError",
     "BlockPool",
     "BlockStateError",
+    "FencedDeferredFreeQueue",
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",
     "UnsupportedVLLMVersionError",
@@ -27,7 +28,13 @@ __all__ = [
     "uninstall",
 ]
 
-_CORE_NAMES = {"KVCacheBlock", "FreeKVCacheBlockQueue", "BlockStateError", "BlockIdOutOfRangeError"}
+_CORE_NAMES = {
+    "KVCacheBlock",
+    "FreeKVCacheBlockQueue",
+    "FencedDeferredFreeQueue",
+    "BlockStateError",
+    "BlockIdOutOfRangeError",
+}
 
 
 def install(*, force: bool = False) -> bool:

@@ -12,17 +12,19 @@ Two mechanisms, chosen per class:
   ``__subclasses__()``) get kvpool's ``BlockPool`` as their base, so their ``super()``
   calls reach the native paths.
 
-Further patches (the coordinator's per-group reversed pop, the scheduler's fenced
-deferred-free queue, the reorder API from ``LLM`` down) register through
-:func:`register_patch`. Every change is recorded and undone by :func:`uninstall`.
+Further patches live in the modules named in :data:`PATCH_MODULES` (the
+coordinator's per-group reversed pop and the scheduler's fenced deferred-free queue,
+the reorder API from ``LLM`` down); each exposes ``apply(patcher)`` and makes its
+changes through the :class:`Patcher`, so every change is recorded and undone by
+:func:`uninstall`.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +46,13 @@ class _InstallState:
 
 
 _state: _InstallState | None = None
-_patches: list[tuple[str, Callable[["Patcher"], None]]] = []
+
+#: Modules with an ``apply(patcher: Patcher) -> None`` run by ``install()`` after the
+#: classes are bound, in this order.
+PATCH_MODULES: tuple[str, ...] = (
+    "kvpool.deferred_free",
+    "kvpool.engine_api",
+)
 
 
 class Patcher:
@@ -63,11 +71,6 @@ class Patcher:
         old = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
         self._state.attrs.append((owner, name, old))
         setattr(owner, name, value)
-
-
-def register_patch(name: str, apply: Callable[[Patcher], None]) -> None:
-    """Register ``apply(patcher)`` to run at each ``install()`` (after the classes)."""
-    _patches.append((name, apply))
 
 
 def is_installed() -> bool:
@@ -155,8 +158,14 @@ def install(*, force: bool = False) -> bool:
             _rebind_names(state, replacements)
             _rebase_subclasses(state, replacements)
             patcher = Patcher(state)
-            for _name, apply in _patches:
-                apply(patcher)
+            for modname in PATCH_MODULES:
+                try:
+                    module = importlib.import_module(modname)
+                except ModuleNotFoundError as e:
+                    if e.name != modname:
+                        raise
+                    continue  # an optional patch module not shipped in this build
+                module.apply(patcher)
         except BaseException:
             _undo(state)
             raise

@@ -8,12 +8,9 @@ every block pool on kvpool. ``KVPOOL_DISABLE=1`` turns it off; ``VLLM_PLUGINS``
 
 from __future__ import annotations
 
-import logging
 import os
 
 DISABLE_ENV = "KVPOOL_DISABLE"
-
-logger = logging.getLogger("vllm.kvpool")
 
 
 def register() -> None:
@@ -22,6 +19,10 @@ def register() -> None:
     Never raises: a vLLM version kvpool does not support is logged and left vanilla,
     so a production server still starts.
     """
+    # vLLM's logger, so the line lands wherever vLLM's own log lines go.
+    from vllm.logger import init_logger
+
+    logger = init_logger("vllm.kvpool")
     if os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes"):
         logger.info("kvpool: disabled by %s=1; vLLM's own block pool is used", DISABLE_ENV)
         return

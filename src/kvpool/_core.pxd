@@ -34,6 +34,8 @@ cdef class FreeKVCacheBlockQueue:
     cdef FreeBlockList _list
     cdef list _blocks
     cdef bint _ids_ascending
+    cdef bint _head_cut
+    cdef bint _tail_cut
     cdef vector[int32_t] _scratch
     cdef readonly KVCacheBlock fake_free_list_head
     cdef readonly KVCacheBlock fake_free_list_tail
@@ -41,6 +43,9 @@ cdef class FreeKVCacheBlockQueue:
 
     cdef _init_registered(self, list blist, bint ids_known_ascending)
     cdef object _neighbour(self, KVCacheBlock block, bint forward)
+    cdef _set_sentinel_link(self, KVCacheBlock sentinel, value, bint forward)
+    cdef int _check_tail(self) except -1
+    cdef int _check_head(self) except -1
     cdef int32_t _slot_of(self, KVCacheBlock block) except -1
     cdef int32_t _register(self, KVCacheBlock block) except -1
     cdef void _release(self, KVCacheBlock block)

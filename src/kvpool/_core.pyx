@@ -210,6 +210,9 @@ cdef class KVCacheBlock:
             else:
                 self._prev_py = value
             return
+        if self._slot == HEAD_SLOT or self._slot == TAIL_SLOT:
+            self._queue._set_sentinel_link(self, value, forward)
+            return
         # vLLM code (and the RFC's reorder body) clears links before rebuilding a
         # queue; for a natively linked block that is a no-op.
         if value is None:
@@ -369,14 +372,55 @@ cdef class FreeKVCacheBlockQueue:
     cdef inline object _block_at(self, int32_t slot):
         return <object>PyList_GET_ITEM(self._blocks, slot)
 
+    cdef _set_sentinel_link(self, KVCacheBlock sentinel, value, bint forward):
+        # vLLM's own tests cut the fake head's next / fake tail's prev link to check
+        # that a broken queue refuses work. Model exactly that: a cut link reads None
+        # and the operations that need it raise as vLLM's do. Setting the true
+        # neighbour back repairs it; any other value is refused.
+        cdef bint head = sentinel._slot == HEAD_SLOT
+        if head != forward:
+            if value is None:
+                return  # the fake head's prev / fake tail's next is always None
+            raise AttributeError("the fake head has no prev and the fake tail no next")
+        if value is None:
+            if head:
+                self._head_cut = True
+            else:
+                self._tail_cut = True
+            return
+        if head:
+            self._head_cut = False
+            truth = self._neighbour(sentinel, True)
+            if truth is not value:
+                self._head_cut = True
+                raise AttributeError("the fake head's link is managed natively; only its "
+                                     "true next block can be set back")
+        else:
+            self._tail_cut = False
+            truth = self._neighbour(sentinel, False)
+            if truth is not value:
+                self._tail_cut = True
+                raise AttributeError("the fake tail's link is managed natively; only its "
+                                     "true prev block can be set back")
+
+    cdef int _check_tail(self) except -1:
+        if self._tail_cut:
+            raise AssertionError("prev_free_block of fake_free_list_tail should always exist")
+        return 0
+
+    cdef int _check_head(self) except -1:
+        if self._head_cut:
+            raise AssertionError("next_free_block of fake_free_list_head should always exist")
+        return 0
+
     cdef object _neighbour(self, KVCacheBlock block, bint forward):
         cdef int32_t slot = block._slot, other
         if slot == HEAD_SLOT:
-            if not forward:
+            if not forward or self._head_cut:
                 return None
             return self.fake_free_list_tail if self._list.empty() else self._block_at(self._list.front())
         if slot == TAIL_SLOT:
-            if forward:
+            if forward or self._tail_cut:
                 return None
             return self.fake_free_list_head if self._list.empty() else self._block_at(self._list.back())
         if slot < 0 or not self._list.contains(slot):
@@ -432,6 +476,9 @@ cdef class FreeKVCacheBlockQueue:
         cdef int32_t slot
         if self._list.empty():
             raise ValueError("No free blocks available")
+        if self._head_cut:
+            raise AssertionError(
+                f"num_free_blocks ({self._list.size()}) is out of sync with the free list.")
         slot = self._list.popleft()
         return self._block_at(slot)
 
@@ -455,6 +502,8 @@ cdef class FreeKVCacheBlockQueue:
     def append(self, KVCacheBlock block not None):
         """Put a block at the tail (evicted last). Raises BlockStateError if it is
         already free or belongs to another queue."""
+        if self._tail_cut:
+            raise RuntimeError("prev_free_block of fake_free_list_tail should always exist")
         self._collect_slots([block])
         try:
             self._list.append_n(self._scratch.data(), 1)
@@ -463,6 +512,9 @@ cdef class FreeKVCacheBlockQueue:
 
     def append_n(self, blocks):
         """Put ``blocks`` at the tail, in the given order."""
+        if not blocks:
+            return
+        self._check_tail()
         self._collect_slots(blocks)
         try:
             self._list.append_n(self._scratch.data(), <int32_t>self._scratch.size())
@@ -471,6 +523,9 @@ cdef class FreeKVCacheBlockQueue:
 
     def prepend_n(self, blocks):
         """Put ``blocks`` at the front (allocated first), in the given order."""
+        if not blocks:
+            return
+        self._check_head()
         self._collect_slots(blocks)
         try:
             self._list.prepend_n(self._scratch.data(), <int32_t>self._scratch.size())
@@ -479,7 +534,10 @@ cdef class FreeKVCacheBlockQueue:
 
     def get_all_free_blocks(self):
         """All free blocks in eviction order (a new list)."""
-        cdef vector[int32_t] order = self._list.to_vector()
+        cdef vector[int32_t] order
+        if self._head_cut:
+            raise RuntimeError("next_free_block of fake_free_list_head should always exist")
+        order = self._list.to_vector()
         return [self._block_at(s) for s in order]
 
     def iter_blocks_after(self, cursor):
@@ -840,3 +898,210 @@ cdef _install_member_descriptors():
 
 
 _install_member_descriptors()
+
+
+# --------------------------------------------------------------------------------------
+# Fenced deferred-free queue (Scheduler.deferred_frees, vllm/v1/core/sched/scheduler.py)
+# --------------------------------------------------------------------------------------
+cdef int64_t _LOOSE_OWNER = 0x7FFFFFFF  # handle = owner << 32 | slot, kept non-negative
+
+
+@cython.auto_pickle(False)
+cdef class FencedDeferredFreeQueue:
+    """FIFO of ``(fence_seq, blocks)`` deferred frees, stored natively.
+
+    Mirrors ``Scheduler.deferred_frees`` of vLLM 0.33.0: a finished or preempted
+    request's blocks may still be written by a dispatched step whose output has not
+    been processed (async scheduling with a KV consumer, pipeline parallelism); they
+    are queued with ``fence_seq`` and become reusable once
+    ``processed_step_seq >= fence_seq``. :meth:`drain` releases entries in FIFO order
+    and stops at the first unmet fence. Blocks of several pools may share an entry.
+
+    kvpool's scheduler code uses :meth:`push` / :meth:`drain`, whose block lists are
+    in **eviction order** (freed as they are). For code written against vLLM
+    0.33.0's ``deque``, the sequence view (``len``, indexing, iteration, equality)
+    and ``append`` / ``popleft`` keep that version's convention: an entry's blocks
+    are listed in the reverse of their eviction order, and the drain frees
+    ``reversed(blocks)``.
+    """
+    cdef FencedFreeQueue _q
+    cdef list _owners
+    cdef dict _owner_index
+    cdef list _loose
+    cdef vector[int64_t] _handles
+    cdef vector[int64_t] _out
+    cdef vector[size_t] _ends
+
+    def __cinit__(self):
+        self._owners = []
+        self._owner_index = {}
+        self._loose = []
+
+    def __init__(self, entries=()):
+        for item in entries:
+            self.append(item)
+
+    cdef int64_t _handle_of(self, object obj) except -1:
+        cdef KVCacheBlock b
+        cdef int64_t owner
+        if isinstance(obj, KVCacheBlock):
+            b = <KVCacheBlock>obj
+            if b._queue is not None and b._slot >= 0:
+                key = id(b._queue)
+                found = self._owner_index.get(key)
+                if found is None:
+                    owner = len(self._owners)
+                    self._owners.append(b._queue)
+                    self._owner_index[key] = owner
+                else:
+                    owner = <int64_t>found
+                return (owner << 32) | <int64_t>b._slot
+        # Not natively owned (or not a kvpool block): keep the object itself.
+        self._loose.append(obj)
+        return (_LOOSE_OWNER << 32) | <int64_t>(len(self._loose) - 1)
+
+    cdef object _object_of(self, int64_t handle):
+        cdef int64_t owner = handle >> 32
+        cdef int64_t slot = handle & 0xFFFFFFFF
+        if owner == _LOOSE_OWNER:
+            if not (0 <= slot < len(self._loose)):
+                raise RuntimeError(f"corrupt deferred-free handle {handle}")
+            return self._loose[slot]
+        if not (0 <= owner < len(self._owners)):
+            raise RuntimeError(f"corrupt deferred-free handle {handle}")
+        blocks = (<FreeKVCacheBlockQueue>self._owners[owner])._blocks
+        if not (0 <= slot < len(blocks)):
+            raise RuntimeError(f"corrupt deferred-free handle {handle}")
+        obj = blocks[slot]
+        if obj is None:
+            raise BlockStateError(
+                "a deferred block was taken over by another free queue before its fence")
+        return obj
+
+    cdef list _objects(self, size_t begin, size_t end, const int64_t* handles, bint reverse):
+        cdef list out = PyList_New(end - begin)
+        cdef size_t i
+        cdef Py_ssize_t k
+        for i in range(begin, end):
+            obj = self._object_of(handles[i])
+            k = <Py_ssize_t>(end - 1 - i if reverse else i - begin)
+            Py_INCREF(obj)
+            PyList_SET_ITEM(out, k, obj)
+        return out
+
+    cdef void _maybe_reset_tables(self):
+        if self._q.empty():
+            self._owners.clear()
+            self._owner_index.clear()
+            self._loose.clear()
+
+    # -- kvpool API (eviction order) -------------------------------------------------------
+    def push(self, fence_seq, blocks):
+        """Queue ``blocks`` (iterable of blocks, in eviction order) to be freed once
+        ``processed_step_seq >= fence_seq`` (int, a scheduler step sequence number)."""
+        cdef Py_ssize_t start, step, n, k
+        cdef int64_t fence = fence_seq
+        cdef list seq = _as_sequence(blocks, &start, &step, &n)
+        self._handles.resize(n)
+        for k in range(n):
+            self._handles[k] = self._handle_of(<object>PyList_GET_ITEM(seq, start + k * step))
+        self._q.push(fence, self._handles.data(), <size_t>n)
+
+    def drain(self, processed_step_seq):
+        """Remove the leading entries whose fence is met.
+
+        Returns:
+            ``list[list[KVCacheBlock]]``: each drained entry's blocks in eviction order,
+            oldest entry first. Free each with its own ``free_blocks`` call (one call
+            for several entries would interleave their front/tail placement).
+        """
+        cdef size_t drained, e, begin
+        cdef list result = []
+        self._out.clear()
+        self._ends.clear()
+        drained = self._q.drain(<int64_t>processed_step_seq, self._out, &self._ends)
+        begin = 0
+        for e in range(drained):
+            result.append(self._objects(begin, self._ends[e], self._out.data(), False))
+            begin = self._ends[e]
+        self._maybe_reset_tables()
+        return result
+
+    def ready_entries(self, processed_step_seq):
+        """Number of leading entries whose fence is met (nothing is removed)."""
+        return self._q.ready_entries(<int64_t>processed_step_seq)
+
+    @property
+    def num_blocks(self):
+        """Blocks waiting in all entries."""
+        return self._q.num_blocks()
+
+    def entries(self):
+        """``list[tuple[int, list[KVCacheBlock]]]``: every entry, blocks in eviction order."""
+        cdef size_t i
+        cdef FencedFreeQueue.Entry e
+        out = []
+        for i in range(self._q.num_entries()):
+            e = self._q.entry(i)
+            out.append((e.fence_seq, self._objects(e.begin, e.end, self._q.handles(), False)))
+        return out
+
+    # -- vLLM 0.33.0 deque view (blocks in reverse eviction order) ------------------------------
+    def append(self, item):
+        """``deque.append((fence_seq, blocks))`` with vLLM 0.33.0's convention: the drain
+        frees ``reversed(blocks)``."""
+        fence_seq, blocks = item
+        self.push(fence_seq, reversed(list(blocks)))
+
+    def popleft(self):
+        """Remove and return the first entry as ``(fence_seq, blocks)`` in vLLM 0.33.0's
+        convention, regardless of its fence. Raises IndexError if empty."""
+        if self._q.empty():
+            raise IndexError("pop from an empty deque")
+        item = self[0]
+        self._out.clear()
+        self._q.pop_front(self._out)
+        self._maybe_reset_tables()
+        return item
+
+    def clear(self):
+        self._q.clear()
+        self._maybe_reset_tables()
+
+    def __len__(self):
+        return self._q.num_entries()
+
+    def __bool__(self):
+        return not self._q.empty()
+
+    def __getitem__(self, index):
+        cdef Py_ssize_t n = self._q.num_entries()
+        cdef Py_ssize_t i = index
+        cdef FencedFreeQueue.Entry e
+        if i < 0:
+            i += n
+        if i < 0 or i >= n:
+            raise IndexError("deque index out of range")
+        e = self._q.entry(<size_t>i)
+        return (e.fence_seq, self._objects(e.begin, e.end, self._q.handles(), True))
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    def __eq__(self, other):
+        if isinstance(other, FencedDeferredFreeQueue):
+            return list(self) == list(other)
+        try:
+            return list(self) == list(other)
+        except TypeError:
+            return NotImplemented
+
+    def __ne__(self, other):
+        result = self.__eq__(other)
+        return result if result is NotImplemented else not result
+
+    __hash__ = None
+
+    def __repr__(self):
+        return f"FencedDeferredFreeQueue({list(self)!r})"

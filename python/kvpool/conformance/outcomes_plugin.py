@@ -4,7 +4,8 @@ Written to ``--kvpool-outcomes=PATH`` at session end::
 
     {"outcomes": {nodeid: {"outcome": "passed"|"failed"|"skipped"|"error",
                            "message": str, "duration_s": float}},
-     "exitstatus": int, "collected": int, "kvpool_installed": bool}
+     "exitstatus": int, "collected": int, "kvpool_installed": bool,
+     "excluded": {nodeid: exclusion nodeid}}
 
 Phases are folded the way pytest's terminal summary counts them: a failing setup or
 teardown is an ``error``, a failing call a ``failure``; an expected failure (xfail)
@@ -22,13 +23,41 @@ import sys
 
 import pytest
 
+from kvpool.conformance.suites import Exclusion
+
 MESSAGE_CHARS = 4000
 
 _outcomes: dict[str, dict] = {}
+_excluded: dict[str, str] = {}  # collected nodeid -> the exclusion nodeid that matched it
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--kvpool-outcomes", default=None, help="write per-test outcomes (JSON) here")
+    parser.addoption(
+        "--kvpool-exclusions",
+        default=None,
+        help="JSON list of {nodeid, reason}: deselect these tests (and the cases under them)",
+    )
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    path = config.getoption("--kvpool-exclusions")
+    if not path:
+        return
+    with open(path) as f:
+        exclusions = [Exclusion(e["nodeid"], e["reason"]) for e in json.load(f)]
+    kept, deselected = [], []
+    for item in items:
+        hit = next((e for e in exclusions if e.matches(item.nodeid)), None)
+        if hit is None:
+            kept.append(item)
+        else:
+            deselected.append(item)
+            _excluded[item.nodeid] = hit.nodeid
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
 
 
 def _message(report) -> str:
@@ -95,6 +124,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         "outcomes": _outcomes,
         "exitstatus": int(exitstatus),
         "collected": session.testscollected,
+        "excluded": _excluded,
         "kvpool_installed": _kvpool_installed(),
     }
     tmp = f"{path}.tmp"

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_workload(args: argparse.Namespace) -> Workload:
     if args.trace:
+        if args.prompt_len or args.output_len:
+            raise SystemExit("replay: --prompt-len/--output-len apply to built-in workloads, not --trace")
         wl = from_trace(args.trace, scale=args.scale)
         if args.rounds is not None:
             wl = truncate_rounds(wl, args.rounds)

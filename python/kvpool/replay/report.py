@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-#: Line colours per mode, shared by the table header and the plot.
-MODE_STYLE = {"vanilla": "tab:red", "kvpool": "tab:orange", "kvpool+reorder": "tab:green"}
 _RICH = {"vanilla": "red", "kvpool": "yellow", "kvpool+reorder": "green"}
 
 
@@ -19,6 +17,8 @@ def _us(x: float | None) -> str:
 
 
 def render_tables(report: dict[str, Any], console) -> None:
+    """Print per-round tables (one column per mode) and a per-mode summary to ``console``."""
+    from rich.markup import escape
     from rich.table import Table
 
     modes = {m: r for m, r in report["modes"].items() if "rounds" in r}
@@ -29,110 +29,169 @@ def render_tables(report: dict[str, Any], console) -> None:
         return
     wl = report["workload"]
     cfg = report["config"]
-    title = (
-        f"{wl['name']}: {wl['description']}\n"
-        f"pool {cfg['num_blocks']} blocks x {cfg['block_size']} tokens, "
-        f"max_model_len {cfg['max_model_len']}, seed {cfg['seed']}"
-    )
-    t = Table(title=title, title_justify="left")
-    t.add_column("round", justify="right")
-    for label in ("contiguity", "table contig.", "mean run"):
-        for m in modes:
-            t.add_column(f"{label}\n[{_RICH.get(m, 'white')}]{m}[/]", justify="right")
-    for m in modes:
-        t.add_column(f"sched us/step\n[{_RICH.get(m, 'white')}]{m}[/]", justify="right")
     n = max(len(r["rounds"]) for r in modes.values())
     warm = int(wl.get("params", {}).get("warmup", 0) or 0)
-    for i in range(n):
-        row = [f"{i}{' (warmup)' if i < warm else ''}"]
-        for key, fmt in (("contiguity", "{:.3f}"), ("table_contiguity", "{:.3f}"), ("mean_run_length", "{:.1f}")):
-            for r in modes.values():
-                rr = r["rounds"][i] if i < len(r["rounds"]) else {}
-                row.append(_f(rr.get(key), fmt))
-        for r in modes.values():
-            rr = r["rounds"][i] if i < len(r["rounds"]) else {}
-            row.append(_us(rr.get("sched_cpu_s_per_step")))
-        t.add_row(*row)
-    console.print(t)
+    deferred = any(x["deferred_frees"] for r in modes.values() for x in r["rounds"])
 
-    s = Table(title="per mode (all rounds)", title_justify="left")
-    for col in (
-        "mode",
-        "steps",
-        "sched us/step",
-        "vs vanilla",
-        "drain us/step",
-        "drain vs vanilla",
-        "deferred frees",
-        "min contig.",
-        "max block id",
-        "preempt.",
-        "leaked",
-        "tables == vanilla",
-        "reorder us",
-        "wall s",
-    ):
-        s.add_column(col, justify="right" if col != "mode" else "left")
+    def head(label: str, m: str) -> str:
+        return f"{label}\n[{_RICH.get(m, 'white')}]{m}[/]"
+
+    def cell(r: dict[str, Any], i: int, key: str, fmt) -> str:
+        rr = r["rounds"][i] if i < len(r["rounds"]) else {}
+        v = rr.get(key)
+        return fmt(v) if callable(fmt) else _f(v, fmt)
+
+    def per_round(title: str, columns: list[tuple[str, str, Any]]) -> Table:
+        t = Table(title=title, title_justify="left")
+        t.add_column("round", justify="right")
+        for label, _, _ in columns:
+            for m in modes:
+                t.add_column(head(label, m), justify="right")
+        for i in range(n):
+            row = [f"{i}{' (warmup)' if i < warm else ''}"]
+            for _, key, fmt in columns:
+                row += [cell(r, i, key, fmt) for r in modes.values()]
+            t.add_row(*row)
+        return t
+
+    console.print(
+        f"[bold]{wl['name']}[/]: {wl['description']}\n"
+        f"pool {cfg['num_blocks']} blocks x {cfg['block_size']} tokens, "
+        f"max_model_len {cfg['max_model_len']}, seed {cfg['seed']}, vLLM {cfg.get('vllm_version')}"
+    )
+    console.print(per_round(
+        escape("block-table contiguity: fraction of adjacent logical blocks with id[i+1] == id[i]+1"),
+        [("prompt", "contiguity", "{:.3f}"), ("whole table", "table_contiguity", "{:.3f}")],
+    ))
+    cols = [
+        ("mean run", "mean_run_length", "{:.1f}"),
+        ("prompt desc.", "prompt_descending", "{:.3f}"),
+        ("sched us/step", "sched_cpu_s_per_step", _us),
+    ]
+    if deferred:
+        cols.append(("drain us/step", "drain_cpu_s_per_step", lambda v: "-" if v is None else f"{v * 1e6:.2f}"))
+    console.print(per_round("runs (blocks), descending pairs, scheduler CPU per step", cols))
+
     cmp_ = report.get("comparison", {})
-    for m, r in modes.items():
-        rounds = r["rounds"]
-        c = cmp_.get(m, {})
-        reorder = [x["reorder_cpu_s"] for x in rounds if "reorder_cpu_s" in x]
-        ident = c.get("rounds_identical_to_vanilla")
-        s.add_row(
-            f"[{_RICH.get(m, 'white')}]{m}[/]",
-            str(sum(x["num_steps"] for x in rounds)),
-            _us(c.get("sched_cpu_s_per_step")),
-            _f(c.get("sched_cpu_ratio_vs_vanilla"), "{:.2f}x"),
-            _us(c.get("drain_cpu_s_per_step")),
-            _f(c.get("drain_cpu_ratio_vs_vanilla"), "{:.2f}x"),
-            str(sum(x["deferred_frees"] for x in rounds)),
-            _f(c.get("min_contiguity")),
-            str(max(x["max_block_id"] for x in rounds)),
-            str(sum(x["preemptions"] for x in rounds)),
-            str(c.get("max_leaked_blocks", 0)),
-            "-" if ident is None else f"{ident}/{len(rounds)}",
-            _us(sum(reorder) / len(reorder)) if reorder else "-",
-            f"{r['info']['wall_s']:.1f}",
-        )
+    s = Table(title="per mode, all rounds", title_justify="left")
+    s.add_column("")
+    for m in modes:
+        s.add_column(f"[{_RICH.get(m, 'white')}]{m}[/]", justify="right")
+
+    def row(label: str, fn) -> None:
+        s.add_row(label, *[fn(m, r, cmp_.get(m, {})) for m, r in modes.items()])
+
+    def total(key: str):
+        return lambda m, r, c: str(sum(x[key] for x in r["rounds"]))
+
+    def pool_class(m, r, c):
+        name = r["info"]["block_pool_class"]
+        return f"{name.split('.', 1)[0]}:{name.rsplit('.', 1)[-1]}"
+
+    row("block pool (package:class)", pool_class)
+    row("engine steps", total("num_steps"))
+    row("sched CPU us/step", lambda m, r, c: _us(c.get("sched_cpu_s_per_step")))
+    row("  vs vanilla", lambda m, r, c: _f(c.get("sched_cpu_ratio_vs_vanilla"), "{:.2f}x"))
+    row("prefill-step CPU ms/round", lambda m, r, c: _f(
+        sum(x["prefill_sched_cpu_s"] for x in r["rounds"]) / len(r["rounds"]) * 1e3, "{:.2f}"))
+    if deferred:
+        row("deferred frees (blocks)", lambda m, r, c: f"{sum(x['deferred_frees'] for x in r['rounds'])} "
+            f"({sum(x['deferred_blocks'] for x in r['rounds'])})")
+        row("drain CPU us/step", lambda m, r, c: _f(
+            None if c.get("drain_cpu_s_per_step") is None else c["drain_cpu_s_per_step"] * 1e6, "{:.2f}"))
+        row("  vs vanilla", lambda m, r, c: _f(c.get("drain_cpu_ratio_vs_vanilla"), "{:.2f}x"))
+        row("push+drain ns per deferred block (median)", lambda m, r, c: _f(
+            None if c.get("deferred_free_s_per_block_median") is None
+            else c["deferred_free_s_per_block_median"] * 1e9, "{:.0f}"))
+        row("  vs vanilla", lambda m, r, c: _f(c.get("deferred_free_ratio_vs_vanilla"), "{:.2f}x"))
+    row("min / mean prompt contiguity", lambda m, r, c: f"{_f(c.get('min_contiguity'))} / {_f(c.get('mean_contiguity'))}")
+    row("highest block id used", lambda m, r, c: str(max(x["max_block_id"] for x in r["rounds"])))
+    row("preemptions", total("preemptions"))
+    row("blocks not freed after a round", lambda m, r, c: str(c.get("max_leaked_blocks", 0)))
+    row("rounds with vanilla's exact tables", lambda m, r, c: "-" if c.get("rounds_identical_to_vanilla") is None
+        else f"{c['rounds_identical_to_vanilla']}/{len(r['rounds'])}")
+
+    def reorder(m, r, c):
+        xs = [x["reorder_cpu_s"] for x in r["rounds"] if "reorder_cpu_s" in x]
+        if not xs:
+            return "-"
+        ok = sum(bool(x.get("reorder_ok")) for x in r["rounds"] if "reorder_cpu_s" in x)
+        return f"{ok}/{len(xs)} ok, {sum(xs) / len(xs) * 1e6:.1f} us"
+
+    row("reorder between rounds", reorder)
+    row("wall s (incl. scheduler build)", lambda m, r, c: f"{r['info']['wall_s']:.1f}")
     console.print(s)
 
 
+#: Plot styles: kvpool (no reorder) is drawn thin on top of a wide vanilla line, so
+#: identical curves stay visible as identical.
+_PLOT = {
+    "vanilla": {"color": "tab:red", "lw": 5, "alpha": 0.45, "marker": "o", "ms": 9},
+    "kvpool": {"color": "tab:orange", "lw": 1.5, "alpha": 1.0, "marker": "x", "ms": 7},
+    "kvpool+reorder": {"color": "tab:green", "lw": 2, "alpha": 1.0, "marker": "s", "ms": 5},
+}
+
+
+def first_wrap_round(rounds: list[dict[str, Any]], num_blocks: int) -> int | None:
+    """First round whose tables used the pool's highest block id: from then on the
+    allocator hands out blocks that earlier rounds freed."""
+    return next((x["round"] for x in rounds if x["max_block_id"] >= num_blocks - 1), None)
+
+
 def plot(report: dict[str, Any], path: str | Path) -> None:
-    """Write a PNG: prompt and whole-table contiguity per round, and scheduler CPU per step."""
+    """Write a PNG: prompt contiguity, whole-table contiguity and scheduler CPU per round."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     modes = {m: r for m, r in report["modes"].items() if "rounds" in r}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
-    for m, r in modes.items():
-        color = MODE_STYLE.get(m)
-        xs = [x["round"] for x in r["rounds"]]
-        ax1.plot(xs, [x["contiguity"] for x in r["rounds"]], "o-", color=color, label=f"{m}: prompt blocks", lw=2)
-        ax1.plot(
-            xs, [x["table_contiguity"] for x in r["rounds"]], "s--", color=color, alpha=0.6,
-            label=f"{m}: whole table at finish", lw=1,
-        )
-        ax2.plot(xs, [x["sched_cpu_s_per_step"] * 1e6 for x in r["rounds"]], "o-", color=color, label=m)
     wl, cfg = report["workload"], report["config"]
-    ax1.set_title(
-        f"{wl['name']}: block-table contiguity per round\n"
-        f"({cfg['num_blocks']} blocks x {cfg['block_size']} tokens, vLLM {cfg.get('vllm_version')})",
-        fontsize=10,
+    cmp_ = report.get("comparison", {})
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    panels = (
+        ("contiguity", "prompt blocks (after prefill)"),
+        ("table_contiguity", "whole block table (at finish)"),
     )
-    ax1.set_xlabel("round")
-    ax1.set_ylabel("fraction of adjacent blocks with id[i+1] == id[i] + 1")
-    ax1.set_ylim(-0.03, 1.05)
-    ax1.grid(alpha=0.3)
-    ax1.legend(fontsize=8, loc="lower left")
-    ax2.set_title("scheduler CPU per step (schedule + update_from_output)", fontsize=10)
-    ax2.set_xlabel("round")
-    ax2.set_ylabel("microseconds")
-    ax2.set_ylim(bottom=0)
-    ax2.grid(alpha=0.3)
-    ax2.legend(fontsize=8)
+    for ax, (key, what) in zip(axes, panels):
+        for m, r in modes.items():
+            st = _PLOT.get(m, {})
+            label = m
+            if cmp_.get(m, {}).get("rounds_identical_to_vanilla") == len(r["rounds"]):
+                label += " (tables identical to vanilla)"
+            ax.plot([x["round"] for x in r["rounds"]], [x[key] for x in r["rounds"]], "-", label=label, **st)
+        ax.set_title(f"{what}: id[i+1] == id[i] + 1", fontsize=10)
+        ax.set_ylabel("fraction of adjacent logical blocks")
+        ax.set_ylim(-0.03, 1.05)
+    base = modes.get("vanilla")
+    if base is not None:
+        wrap = first_wrap_round(base["rounds"], cfg["num_blocks"])
+        if wrap is not None:
+            for ax in axes[:2]:
+                ax.axvline(wrap, color="grey", ls=":", lw=1)
+            axes[0].annotate(
+                "vanilla reaches the last block id:\nlater allocations reuse freed blocks",
+                xy=(wrap, 0.5), xytext=(6, 0), textcoords="offset points", fontsize=8, color="dimgrey",
+                bbox={"fc": "white", "ec": "none", "alpha": 0.85},
+            )
+    for m, r in modes.items():
+        st = _PLOT.get(m, {})
+        axes[2].plot([x["round"] for x in r["rounds"]], [x["sched_cpu_s_per_step"] * 1e6 for x in r["rounds"]],
+                     "-", label=m, **st)
+    axes[2].set_title("scheduler CPU per step (schedule + update_from_output)", fontsize=10)
+    axes[2].set_ylabel("microseconds")
+    axes[2].set_ylim(bottom=0)
+    for ax in axes:
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower left")
+    fig.suptitle(
+        f"kvpool replay, workload {wl['name']}: {cfg['num_blocks']} blocks x {cfg['block_size']} tokens, "
+        f"vLLM {cfg.get('vllm_version')}, seed {cfg['seed']}",
+        fontsize=11,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

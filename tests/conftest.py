@@ -1,0 +1,44 @@
+"""Shared fixtures: every test runs on CPU, offline, and leaves vLLM uninstalled."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import pytest
+
+from kvpool.hf_offline import materialize_hf_cache, offline_env
+
+_HF_HOME = None
+
+
+def pytest_configure(config):
+    # Model configs come from the files kvpool ships, never from the hub.
+    global _HF_HOME
+    import tempfile
+
+    _HF_HOME = tempfile.mkdtemp(prefix="kvpool-tests-hf-")
+    materialize_hf_cache(_HF_HOME)
+    os.environ.update(offline_env(_HF_HOME))
+
+
+@pytest.fixture
+def installed():
+    """kvpool installed for the test, uninstalled afterwards."""
+    import kvpool
+
+    kvpool.install()
+    try:
+        yield
+    finally:
+        kvpool.uninstall()
+
+
+@pytest.fixture(autouse=True)
+def _always_uninstall():
+    yield
+    import kvpool
+
+    if kvpool.is_installed():
+        kvpool.uninstall()

@@ -1,0 +1,159 @@
+"""install() / uninstall(): every binding replaced and restored; plugin; version guard."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import kvpool
+from kvpool import patching, vllm_compat
+
+
+def _bound_names():
+    out = {}
+    for modname in vllm_compat.MODULES_BINDING_BLOCK_CLASSES:
+        mod = importlib.import_module(modname)
+        for name in ("KVCacheBlock", "FreeKVCacheBlockQueue", "BlockPool"):
+            if name in vars(mod):
+                out[(modname, name)] = vars(mod)[name]
+    return out
+
+
+def test_install_replaces_every_binding_and_uninstall_restores_it():
+    from vllm.v1.hisparse.block_pool import SharedEventQueueBlockPool
+
+    vanilla = patching.vanilla_classes()
+    before = _bound_names()
+    assert before and all(v is vanilla[k[1]] for k, v in before.items())
+
+    assert kvpool.install() is True
+    assert kvpool.is_installed()
+    after = _bound_names()
+    ours = patching._replacements()
+    for key, value in after.items():
+        assert value is ours[key[1]], key
+    # A subclass defined at import time now inherits kvpool's BlockPool.
+    assert SharedEventQueueBlockPool.__mro__[1] is ours["BlockPool"]
+    assert kvpool.install() is False  # idempotent
+
+    assert kvpool.uninstall() is True
+    assert _bound_names() == before
+    assert SharedEventQueueBlockPool.__mro__[1] is vanilla["BlockPool"]
+    assert kvpool.uninstall() is False
+    assert not kvpool.is_installed()
+
+
+def test_subclass_built_after_install_runs_on_the_native_pool(installed):
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.hisparse.block_pool import SharedEventQueueBlockPool
+
+    owner = kvpool.BlockPool(8, True, 16)
+    pool = SharedEventQueueBlockPool(8, True, 16, event_owner=owner)
+    assert isinstance(pool.blocks[1], KVCacheBlock) and type(pool.blocks[1]) is kvpool.KVCacheBlock
+    blocks = pool.get_new_blocks(3)
+    pool.free_blocks(reversed(blocks))
+    assert pool.free_block_queue.free_block_ids()[:3] == [3, 2, 1]
+    assert pool.reset_free_block_queue_order()
+
+
+def test_umbp_lookup_pool_is_rebased_when_importable():
+    umbp = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.umbp.scheduler")
+    with_install = kvpool.install()
+    try:
+        assert with_install
+        assert umbp._LookupBlockPool.__mro__[1] is kvpool.BlockPool
+    finally:
+        kvpool.uninstall()
+    assert umbp._LookupBlockPool.__mro__[1] is patching.vanilla_classes()["BlockPool"]
+
+
+def test_scheduler_built_after_install_uses_kvpool(installed):
+    from vllm_helpers import make_request, make_scheduler
+
+    scheduler = make_scheduler(num_blocks=100)
+    pool = scheduler.kv_cache_manager.block_pool
+    assert type(pool) is kvpool.BlockPool
+    scheduler.add_request(make_request("r", list(range(40))))
+    scheduler.schedule()
+    assert pool.get_num_free_blocks() == 99 - 3
+
+
+def test_unsupported_vllm_version_is_refused(monkeypatch):
+    monkeypatch.setattr(vllm_compat, "installed_vllm_version", lambda: "0.31.0")
+    with pytest.raises(vllm_compat.UnsupportedVLLMVersionError, match=r"supports vLLM 0\.33\.0"):
+        kvpool.install()
+    assert not kvpool.is_installed()
+    monkeypatch.setenv(vllm_compat.ALLOW_UNTESTED_ENV, "1")
+    assert kvpool.install() is True
+
+
+def test_failed_patch_leaves_vllm_untouched(monkeypatch):
+    before = _bound_names()
+
+    def boom(patcher):
+        raise RuntimeError("boom")
+
+    import kvpool.engine_api as engine_api  # noqa: F401 - make sure it is importable
+
+    monkeypatch.setattr(patching, "PATCH_MODULES", ("kvpool.deferred_free", "tests_fake_patch"))
+    fake = type(sys)("tests_fake_patch")
+    fake.apply = boom
+    monkeypatch.setitem(sys.modules, "tests_fake_patch", fake)
+    with pytest.raises(RuntimeError, match="boom"):
+        kvpool.install()
+    assert not kvpool.is_installed()
+    assert _bound_names() == before
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert "deferred_frees" not in Scheduler.__init__.__code__.co_names or not hasattr(Scheduler.__init__, "__wrapped__")
+
+
+def test_plugin_entry_point_is_declared():
+    from importlib.metadata import entry_points
+
+    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "kvpool"]
+    assert eps and eps[0].value == "kvpool.plugin:register"
+
+
+def _run(code: str, **env):
+    import os
+
+    full_env = dict(os.environ, **env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=full_env, timeout=300)
+
+
+def test_vllm_plugin_loader_activates_kvpool_in_a_fresh_process():
+    proc = _run(
+        """
+        from vllm.logger import _configure_vllm_root_logger
+        _configure_vllm_root_logger()
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        import kvpool
+        from vllm.v1.core import block_pool
+        print("INSTALLED", kvpool.is_installed(), block_pool.BlockPool.__module__)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "INSTALLED True kvpool.block_pool" in proc.stdout
+    assert "kvpool 0.1.0 active" in proc.stdout + proc.stderr
+    assert "vLLM 0.33.0" in proc.stdout + proc.stderr
+
+
+def test_kvpool_disable_turns_the_plugin_off():
+    proc = _run(
+        """
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        import kvpool
+        print("INSTALLED", kvpool.is_installed())
+        """,
+        KVPOOL_DISABLE="1",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "INSTALLED False" in proc.stdout

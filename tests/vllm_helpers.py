@@ -1,0 +1,91 @@
+"""Build real vLLM 0.33.0 schedulers and KV cache managers without a model.
+
+Mirrors ``create_scheduler`` / ``create_requests`` of vLLM 0.33.0's
+``tests/v1/core/utils.py`` (which ships only in the sdist), reduced to what kvpool's
+tests need, plus a hybrid (full attention + sliding window) KV cache config.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+MODEL = "facebook/opt-125m"
+EOS_TOKEN_ID = 50256
+init_none_hash(sha256)
+
+
+def kv_cache_groups(block_size: int, hybrid: bool) -> list[KVCacheGroupSpec]:
+    full = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["layer.full"], full)]
+    if hybrid:
+        swa = SlidingWindowSpec(
+            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
+            sliding_window=4 * block_size,
+        )
+        groups.append(KVCacheGroupSpec(["layer.swa"], swa))
+    return groups
+
+
+def make_scheduler(
+    num_blocks: int = 1000,
+    block_size: int = 16,
+    hybrid: bool = False,
+    enable_prefix_caching: bool = True,
+    max_num_batched_tokens: int = 2048,
+) -> Scheduler:
+    model_config = ModelConfig(model=MODEL, dtype="float16", seed=0, skip_tokenizer_init=True,
+                               max_model_len=max_num_batched_tokens)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_num_batched_tokens, enable_chunked_prefill=True,
+        is_encoder_decoder=False, watermark=0.0,
+    )
+    cache_config = CacheConfig(block_size=block_size, cache_dtype="auto",
+                               enable_prefix_caching=enable_prefix_caching)
+    vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
+                             cache_config=cache_config)
+    cache_config.num_gpu_blocks = num_blocks
+    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                    kv_cache_groups=kv_cache_groups(block_size, hybrid))
+    register_all_kvcache_specs(vllm_config)
+    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                     structured_output_manager=StructuredOutputManager(vllm_config),
+                     block_size=block_size, log_stats=False)
+
+
+def make_request(request_id: str, prompt: list[int], max_tokens: int = 4, block_size: int = 16) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params.update_from_generation_config({}, EOS_TOKEN_ID)
+    return Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
+                   pooling_params=None, block_hasher=get_request_block_hasher(block_size, sha256))
+
+
+def runner_output(scheduler_output, token_id: int = 7) -> ModelRunnerOutput:
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=[[token_id] for _ in req_ids], logprobs=None,
+                             prompt_logprobs_dict={}, pooler_output=[])
+
+
+def block_ids(blocks) -> list[int]:
+    return [b.block_id for b in blocks]
+
+
+def eviction_order(pool) -> list[int]:
+    """Free block ids of ``pool`` in eviction order (first evicted first)."""
+    return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
