@@ -40,13 +40,14 @@ TOKEN_SPAN = 40_000  # prompt token ids stay inside opt-125m's vocabulary
 
 
 # -- fixtures ----------------------------------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def kvpool_installed():
-    """kvpool installed for the whole module; uninstalled afterwards if we installed it."""
-    installed_here = patching.install()
+    """kvpool installed for each test (conftest uninstalls it after every test).
+
+    Module-scoped engines are set up before this runs and install kvpool themselves
+    before building their pools."""
+    patching.install()
     yield
-    if installed_here:
-        patching.uninstall()
 
 
 @pytest.fixture(autouse=True)
@@ -361,6 +362,7 @@ def test_scheduler_interface_default_raises_and_subclasses_inherit():
 def inproc_client():
     from vllm.v1.engine.core_client import EngineCoreClient, InprocClient
 
+    patching.install()
     client = EngineCoreClient.make_client(
         multiprocess_mode=False,
         asyncio_mode=False,
@@ -393,7 +395,7 @@ def block_table(client, request_id: str) -> list[int]:
         (table,) = client.call_utility("collective_rpc", "block_table", None, (request_id,), None)
     else:
         (table,) = client.engine_core.collective_rpc("block_table", args=(request_id,))
-    return table[0]
+    return table
 
 
 def client_scramble(client) -> None:
@@ -619,7 +621,7 @@ class AsyncEngine:
         tables = {}
         for r in requests:
             (table,) = await self.client.call_utility_async("collective_rpc", "block_table", None, (r.request_id,), None)
-            tables[r.request_id] = table[0]
+            tables[r.request_id] = table
         return tables
 
     def scramble(self) -> None:

@@ -105,6 +105,20 @@ def test_trace_parses_groups_and_names_the_bad_line(tmp_path):
         workloads.from_trace(bad)
 
 
+def test_kvpool_modes_are_reported_skipped_when_kvpool_is_not_importable(monkeypatch):
+    from kvpool.replay import driver
+
+    def unavailable():
+        raise driver.ModeUnavailable("kvpool is not importable (test)")
+
+    monkeypatch.setattr(driver, "_kvpool_api", unavailable)
+    skipped = []
+    res = driver.run_replay(workloads.grpo(rounds=1), driver.PoolSpec(), ("kvpool", "kvpool+reorder"),
+                            on_skip=lambda m, why: skipped.append(m))
+    assert res["modes"] == {m: {"skipped": "kvpool is not importable (test)"} for m in ("kvpool", "kvpool+reorder")}
+    assert skipped == ["kvpool", "kvpool+reorder"]
+
+
 # --- end to end through vLLM's scheduler ---------------------------------------------
 
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vllm.distributed.kv_events import MEDIUM_GPU
+from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared
 from vllm.logger import init_logger
 from vllm.v1.core import block_pool as _vllm_block_pool
 
 from kvpool._core import (
+    BlockTable,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
     make_pool_blocks,
@@ -126,7 +127,8 @@ class BlockPool(VllmBlockPool):
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
-        # All blocks and the free queue, built natively in block_id order.
+        # All blocks (a BlockTable: objects created on first use) and the free
+        # queue, natively linked in block_id order.
         self.blocks, self.free_block_queue = make_pool_blocks(self, num_gpu_blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.cached_block_hashes_by_block = {}
@@ -197,13 +199,19 @@ class BlockPool(VllmBlockPool):
         """
         every_block = self.metrics_collector is not None
         for block in pool_blocks_to_evict(
-            self.blocks, block_ids, self.cached_block_hashes_by_block, every_block
+            self.free_block_queue, block_ids, self.cached_block_hashes_by_block, every_block
         ):
             self._maybe_evict_cached_block(block)
 
     # -- reset / reorder ---------------------------------------------------------------
     def reset_prefix_cache(self, reorder_free_queue: bool = False) -> bool:
-        """vLLM's ``reset_prefix_cache``, plus the RFC's Option B.
+        """Reset the prefix cache (``BlockPool.reset_prefix_cache``, vLLM 0.33.0),
+        plus the RFC's Option B.
+
+        Same precondition and effects as vLLM's: refused (False, warning) unless only
+        the null block is in use; drops every hash, notifies reuse watchers, resets
+        the metrics collector, emits ``AllBlocksCleared``. Only blocks that exist as
+        objects can hold a hash, so only those are visited.
 
         Args:
             reorder_free_queue: after a successful reset, also restore the canonical
@@ -211,15 +219,30 @@ class BlockPool(VllmBlockPool):
                 ``KVPOOL_REORDER_ON_RESET=1``.
 
         Returns:
-            True if the prefix cache was reset (False while blocks are in use).
+            True if the prefix cache was reset.
         """
-        ok = VllmBlockPool.reset_prefix_cache(self)
-        if ok:
-            if type(self.cached_block_hash_to_block) is not BlockHashToBlockMap:
-                self.cached_block_hash_to_block = BlockHashToBlockMap()
-            if reorder_free_queue or os.environ.get(REORDER_ON_RESET_ENV) == "1":
-                self.reset_free_block_queue_order()
-        return ok
+        num_used_blocks = self.num_gpu_blocks - self.get_num_free_blocks()
+        if num_used_blocks != 1:  # The null block is always marked as used
+            logger.warning(
+                "Failed to reset prefix cache because some blocks (%d) are not freed yet",
+                num_used_blocks - 1,
+            )
+            return False
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hashes_by_block.clear()
+        if self._reuse_watchers:
+            self._notify_reuse([self.blocks[block_id] for block_id in list(self._reuse_watchers)])
+        blocks = self.blocks.materialized() if isinstance(self.blocks, BlockTable) else self.blocks
+        for block in blocks:
+            block.reset_hash()
+        if self.metrics_collector:
+            self.metrics_collector.reset()
+        logger.info("Successfully reset prefix cache")
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+        if reorder_free_queue or os.environ.get(REORDER_ON_RESET_ENV) == "1":
+            self.reset_free_block_queue_order()
+        return True
 
     def reset_free_block_queue_order(self) -> bool:
         """Rebuild the free queue in canonical ``block_id`` order (RFC vLLM #40244,

@@ -35,6 +35,7 @@ cdef class FreeKVCacheBlockQueue:
     cdef list _blocks
     cdef bint _ids_ascending
     cdef bint _head_cut
+    cdef object _lazy_pool
     cdef bint _tail_cut
     cdef vector[int32_t] _scratch
     cdef readonly KVCacheBlock fake_free_list_head
@@ -50,5 +51,6 @@ cdef class FreeKVCacheBlockQueue:
     cdef int32_t _register(self, KVCacheBlock block) except -1
     cdef void _release(self, KVCacheBlock block)
     cdef inline object _block_at(self, int32_t slot)
+    cdef object _materialize(self, int32_t slot)
     cdef list _pop_front(self, int32_t n)
     cdef int _collect_slots(self, object blocks) except -1

@@ -18,7 +18,6 @@ rejected call leaves ref counts and the free list exactly as they were.
 """
 
 cimport cython
-import gc
 from cpython.list cimport PyList_New, PyList_SET_ITEM, PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from libc.stdint cimport int32_t, int64_t
@@ -51,6 +50,9 @@ cdef extern from "fastint.h":
 cdef int32_t HEAD_SLOT = -2
 cdef int32_t TAIL_SLOT = -3
 cdef int32_t UNREGISTERED = -1
+# Slot of a block another queue took over. (None in a lazy queue's table means
+# "not created yet".)
+cdef object _RELEASED = object()
 
 
 # -- NULL-checking access to the member-descriptor fields -------------------------------
@@ -355,7 +357,8 @@ cdef class FreeKVCacheBlockQueue:
         block._prev_py = None
         block._next_py = None
         if slot > 0 and self._ids_ascending:
-            if not (_block_id(block) > _block_id(<KVCacheBlock>self._blocks[slot - 1])):
+            prev_obj = self._block_at(slot - 1)
+            if prev_obj is _RELEASED or not (_block_id(block) > _block_id(<KVCacheBlock>prev_obj)):
                 self._ids_ascending = False
         return slot
 
@@ -365,12 +368,29 @@ cdef class FreeKVCacheBlockQueue:
         if slot >= 0 and block._queue is self:
             if self._list.contains(slot):
                 self._list.remove(slot)
-            self._blocks[slot] = None
+            self._blocks[slot] = _RELEASED
         block._queue = None
         block._slot = UNREGISTERED
 
     cdef inline object _block_at(self, int32_t slot):
-        return <object>PyList_GET_ITEM(self._blocks, slot)
+        cdef object obj = <object>PyList_GET_ITEM(self._blocks, slot)
+        if obj is None and self._lazy_pool is not None:
+            return self._materialize(slot)
+        return obj
+
+    cdef object _materialize(self, int32_t slot):
+        # A pool's blocks are created on first use (make_pool_blocks): block_id ==
+        # slot, owned by this queue and the pool.
+        cdef KVCacheBlock b = KVCacheBlock.__new__(KVCacheBlock)
+        if slot < 1024:
+            _store(&b._block_id_o, <object>PyList_GET_ITEM(_SMALL_INTS, slot))
+        else:
+            _store(&b._block_id_o, slot)
+        b.pool = self._lazy_pool
+        b._queue = self
+        b._slot = slot
+        self._blocks[slot] = b
+        return b
 
     cdef _set_sentinel_link(self, KVCacheBlock sentinel, value, bint forward):
         # vLLM's own tests cut the fake head's next / fake tail's prev link to check
@@ -443,7 +463,7 @@ cdef class FreeKVCacheBlockQueue:
         self._list.popleft_n(n, self._scratch.data())
         out = PyList_New(n)
         for i in range(n):
-            b = <object>PyList_GET_ITEM(self._blocks, self._scratch[i])
+            b = self._block_at(self._scratch[i])
             Py_INCREF(b)
             PyList_SET_ITEM(out, i, b)
         return out
@@ -582,52 +602,103 @@ cdef class FreeKVCacheBlockQueue:
 
 
 def make_pool_blocks(object pool, int num_blocks):
-    """Create ``num_blocks`` blocks (ids ``0..num_blocks-1``, ``pool=pool``) and a free
-    queue holding all of them in id order, without per-block Python calls.
+    """The blocks (ids ``0..num_blocks-1``, ``pool=pool``) and free queue of a pool,
+    all blocks free in id order.
+
+    Block objects are created on first use (popped, indexed, iterated), not here: a
+    pool of 85,000 blocks starts with two int32 arrays and one list of placeholders,
+    and a deployment that uses 3% of its KV cache creates 3% of the objects.
 
     Returns:
-        ``(blocks, free_block_queue)``: ``list[KVCacheBlock]`` of length
-        ``num_blocks`` and the queue.
+        ``(blocks, free_block_queue)``: a :class:`BlockTable` (a sequence of
+        ``num_blocks`` ``KVCacheBlock``) and the queue.
     Raises:
         ValueError: ``num_blocks <= 0``.
     """
-    cdef Py_ssize_t i
-    cdef list blocks
-    cdef KVCacheBlock b
     cdef FreeKVCacheBlockQueue queue
     if num_blocks <= 0:
         raise ValueError(f"num_gpu_blocks must be > 0, got {num_blocks}")
-    # The blocks are GC-tracked (pool <-> block cycles must be collectable), but a
-    # collection in the middle of creating them only re-walks the new objects.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return _make_pool_blocks(pool, num_blocks)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-
-
-cdef tuple _make_pool_blocks(object pool, int num_blocks):
-    cdef Py_ssize_t i
-    cdef list blocks
-    cdef KVCacheBlock b
-    cdef FreeKVCacheBlockQueue queue
     queue = FreeKVCacheBlockQueue.__new__(FreeKVCacheBlockQueue)
-    blocks = PyList_New(num_blocks)
-    for i in range(num_blocks):
-        b = KVCacheBlock.__new__(KVCacheBlock)
-        if i < 1024:
-            _store(&b._block_id_o, <object>PyList_GET_ITEM(_SMALL_INTS, i))
-        else:
-            _store(&b._block_id_o, i)
-        b.pool = pool
-        b._queue = queue
-        b._slot = <int32_t>i
-        Py_INCREF(b)
-        PyList_SET_ITEM(blocks, i, b)
-    queue._init_registered(blocks, True)
-    return blocks, queue
+    queue._lazy_pool = pool
+    queue._init_registered([None] * num_blocks, True)
+    return BlockTable(queue), queue
+
+
+@cython.auto_pickle(False)
+cdef class BlockTable:
+    """``BlockPool.blocks`` of a kvpool pool: a read-only sequence of all
+    ``num_gpu_blocks`` blocks, ``blocks[block_id].block_id == block_id``.
+
+    Behaves like vLLM's ``list[KVCacheBlock]`` for reading (indexing, negative
+    indices, slices, iteration, ``len``, ``in``, ``index``, equality with a list)
+    and creates each block object the first time it is needed.
+    """
+    cdef FreeKVCacheBlockQueue _queue
+
+    def __cinit__(self, FreeKVCacheBlockQueue queue not None):
+        self._queue = queue
+
+    def __len__(self):
+        return PyList_GET_SIZE(self._queue._blocks)
+
+    cdef object _get(self, Py_ssize_t i):
+        cdef Py_ssize_t n = PyList_GET_SIZE(self._queue._blocks)
+        if i < 0:
+            i += n
+        if i < 0 or i >= n:
+            raise IndexError("block index out of range")
+        return self._queue._block_at(<int32_t>i)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._get(i) for i in range(*index.indices(len(self)))]
+        return self._get(index)
+
+    def __iter__(self):
+        cdef Py_ssize_t i
+        for i in range(PyList_GET_SIZE(self._queue._blocks)):
+            yield self._queue._block_at(<int32_t>i)
+
+    def __reversed__(self):
+        cdef Py_ssize_t i
+        for i in range(PyList_GET_SIZE(self._queue._blocks) - 1, -1, -1):
+            yield self._queue._block_at(<int32_t>i)
+
+    def __contains__(self, item):
+        cdef KVCacheBlock b
+        if not isinstance(item, KVCacheBlock):
+            return False
+        b = <KVCacheBlock>item
+        return (b._queue is self._queue and 0 <= b._slot < len(self)
+                and <object>PyList_GET_ITEM(self._queue._blocks, b._slot) is b)
+
+    def index(self, item):
+        if item in self:
+            return (<KVCacheBlock>item)._slot
+        raise ValueError(f"{item!r} is not in the pool's blocks")
+
+    def count(self, item):
+        return 1 if item in self else 0
+
+    def materialized(self):
+        """The block objects created so far (``list[KVCacheBlock]``, id order).
+        Blocks not created yet are free, unhashed and have ``ref_cnt == 0``."""
+        return [b for b in self._queue._blocks if b is not None and b is not _RELEASED]
+
+    def __eq__(self, other):
+        if isinstance(other, (list, tuple, BlockTable)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __ne__(self, other):
+        result = self.__eq__(other)
+        return result if result is NotImplemented else not result
+
+    __hash__ = None
+
+    def __repr__(self):
+        return (f"BlockTable({len(self)} blocks, "
+                f"{len(self.materialized())} created)")
 
 
 # --------------------------------------------------------------------------------------
@@ -760,6 +831,13 @@ def pool_free_blocks(object pool, FreeKVCacheBlockQueue queue not None,
             others.setdefault(bpool, []).append(b)
             continue
         refs = _ref_cnt(b)
+        if b._queue is None and refs != 1:
+            # A placeholder block no pool owns (vLLM's own tests build block tables
+            # of bare KVCacheBlock(id)): vLLM decrements its ref_cnt and, as it does
+            # not reach 0, never links it anywhere. Do the same; it cannot reach the
+            # free list. One that would reach 0 is refused below as foreign.
+            _set_ref_cnt(b, refs - 1)
+            continue
         if b._queue is not queue or b._slot < 0 or refs <= 0 or queue._list.contains_unchecked(b._slot):
             _undo_decrements(blocks, start, step, k, pool)
             if b._queue is not queue or b._slot < 0:
@@ -844,17 +922,17 @@ def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,
         queue._list.append_n(released.data(), <int32_t>released.size())
 
 
-def pool_blocks_to_evict(list blocks, object block_ids, dict cached_block_hashes_by_block,
-                         bint every_block):
+def pool_blocks_to_evict(FreeKVCacheBlockQueue queue not None, object block_ids,
+                         dict cached_block_hashes_by_block, bint every_block):
     """Blocks named by ``block_ids`` that ``BlockPool.evict_blocks`` must visit: those
     with a prefix-cache hash, or all of them when ``every_block`` (a metrics collector
-    wants an eviction callback for each).
+    wants an eviction callback for each). Blocks never created have no hash.
 
     Raises:
-        BlockIdOutOfRangeError: an id outside ``[0, len(blocks))`` (checked for every
-            id before any block is returned).
+        BlockIdOutOfRangeError: an id outside ``[0, num_gpu_blocks)`` (checked for
+            every id before any block is returned).
     """
-    cdef Py_ssize_t n = PyList_GET_SIZE(blocks)
+    cdef Py_ssize_t n = PyList_GET_SIZE(queue._blocks)
     cdef list ids = list(block_ids)
     cdef list out = []
     cdef KVCacheBlock b
@@ -865,7 +943,10 @@ def pool_blocks_to_evict(list blocks, object block_ids, dict cached_block_hashes
                 "indicates a bug in the KV connector - workers should only report "
                 "block IDs that were allocated by the scheduler.")
     for block_id in ids:
-        b = <KVCacheBlock>PyList_GET_ITEM(blocks, <Py_ssize_t>block_id)
+        obj = <object>PyList_GET_ITEM(queue._blocks, <Py_ssize_t>block_id)
+        if obj is None and not every_block:
+            continue
+        b = <KVCacheBlock>queue._block_at(<int32_t>block_id)
         if every_block or b._block_hash is not None or _block_id(b) in cached_block_hashes_by_block:
             out.append(b)
     return out
@@ -904,6 +985,7 @@ _install_member_descriptors()
 # Fenced deferred-free queue (Scheduler.deferred_frees, vllm/v1/core/sched/scheduler.py)
 # --------------------------------------------------------------------------------------
 cdef int64_t _LOOSE_OWNER = 0x7FFFFFFF  # handle = owner << 32 | slot, kept non-negative
+cdef int64_t _SLOT_MASK = 0xFFFFFFFF  # a typed constant: a bare literal this size is a Python int
 
 
 @cython.auto_pickle(False)
@@ -927,6 +1009,8 @@ cdef class FencedDeferredFreeQueue:
     cdef FencedFreeQueue _q
     cdef list _owners
     cdef dict _owner_index
+    cdef object _last_owner
+    cdef int64_t _last_owner_index
     cdef list _loose
     cdef vector[int64_t] _handles
     cdef vector[int64_t] _out
@@ -947,6 +1031,8 @@ cdef class FencedDeferredFreeQueue:
         if isinstance(obj, KVCacheBlock):
             b = <KVCacheBlock>obj
             if b._queue is not None and b._slot >= 0:
+                if b._queue is self._last_owner:  # blocks of one pool come in runs
+                    return (self._last_owner_index << 32) | <int64_t>b._slot
                 key = id(b._queue)
                 found = self._owner_index.get(key)
                 if found is None:
@@ -955,38 +1041,44 @@ cdef class FencedDeferredFreeQueue:
                     self._owner_index[key] = owner
                 else:
                     owner = <int64_t>found
+                self._last_owner = b._queue
+                self._last_owner_index = owner
                 return (owner << 32) | <int64_t>b._slot
         # Not natively owned (or not a kvpool block): keep the object itself.
         self._loose.append(obj)
         return (_LOOSE_OWNER << 32) | <int64_t>(len(self._loose) - 1)
 
-    cdef object _object_of(self, int64_t handle):
-        cdef int64_t owner = handle >> 32
-        cdef int64_t slot = handle & 0xFFFFFFFF
-        if owner == _LOOSE_OWNER:
-            if not (0 <= slot < len(self._loose)):
-                raise RuntimeError(f"corrupt deferred-free handle {handle}")
-            return self._loose[slot]
-        if not (0 <= owner < len(self._owners)):
-            raise RuntimeError(f"corrupt deferred-free handle {handle}")
-        blocks = (<FreeKVCacheBlockQueue>self._owners[owner])._blocks
-        if not (0 <= slot < len(blocks)):
-            raise RuntimeError(f"corrupt deferred-free handle {handle}")
-        obj = blocks[slot]
-        if obj is None:
-            raise BlockStateError(
-                "a deferred block was taken over by another free queue before its fence")
-        return obj
-
     cdef list _objects(self, size_t begin, size_t end, const int64_t* handles, bint reverse):
+        # Handles -> block objects without Python-level calls: the owner's block list
+        # is looked up once per run of handles with the same owner.
         cdef list out = PyList_New(end - begin)
         cdef size_t i
         cdef Py_ssize_t k
+        cdef int64_t owner, slot, current = -1
+        cdef list table = None
+        cdef Py_ssize_t table_size = 0
+        cdef PyObject* obj
         for i in range(begin, end):
-            obj = self._object_of(handles[i])
+            owner = handles[i] >> 32
+            slot = handles[i] & _SLOT_MASK
+            if owner != current:
+                if owner == _LOOSE_OWNER:
+                    table = self._loose
+                elif 0 <= owner < PyList_GET_SIZE(self._owners):
+                    table = (<FreeKVCacheBlockQueue>PyList_GET_ITEM(self._owners, owner))._blocks
+                else:
+                    raise RuntimeError(f"corrupt deferred-free handle {handles[i]}")
+                table_size = PyList_GET_SIZE(table)
+                current = owner
+            if not (0 <= slot < table_size):
+                raise RuntimeError(f"corrupt deferred-free handle {handles[i]}")
+            obj = PyList_GET_ITEM(table, slot)
+            if <object>obj is _RELEASED or <object>obj is None:
+                raise BlockStateError(
+                    "a deferred block was taken over by another free queue before its fence")
             k = <Py_ssize_t>(end - 1 - i if reverse else i - begin)
-            Py_INCREF(obj)
-            PyList_SET_ITEM(out, k, obj)
+            Py_INCREF(<object>obj)
+            PyList_SET_ITEM(out, k, <object>obj)
         return out
 
     cdef void _maybe_reset_tables(self):
@@ -994,6 +1086,7 @@ cdef class FencedDeferredFreeQueue:
             self._owners.clear()
             self._owner_index.clear()
             self._loose.clear()
+            self._last_owner = None
 
     # -- kvpool API (eviction order) -------------------------------------------------------
     def push(self, fence_seq, blocks):

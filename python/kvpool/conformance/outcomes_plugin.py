@@ -107,6 +107,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_collectreport(report: pytest.CollectReport) -> None:
     if report.failed:
         _record(report.nodeid or "<collection>", "error", report)
+    elif report.skipped:  # a module skipped as a whole (pytest.skip(allow_module_level=True))
+        _record(report.nodeid, "skipped", report)
 
 
 def _kvpool_installed() -> bool:

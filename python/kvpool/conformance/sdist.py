@@ -236,9 +236,7 @@ def fetch_sdist(version: str, *, index_url: str | None = None, cache: Path | Non
                 digest.update(chunk)
                 out.write(chunk)
         if digest.hexdigest() != entry.sha256:
-            raise SdistError(
-                f"sha256 mismatch for {entry.url}: index says {entry.sha256}, got {digest.hexdigest()}"
-            )
+            raise SdistError(f"sha256 mismatch for {entry.url}: index says {entry.sha256}, got {digest.hexdigest()}")
         os.replace(tmp_name, target)
     except OSError as e:
         raise SdistError(f"download of {entry.url} failed: {e}") from e
@@ -273,4 +271,3 @@ def extract_tests(sdist: Path, dest: Path, members: tuple[str, ...] = EXTRACT_ME
     if not (dest / "tests").is_dir():
         raise SdistError(f"{sdist} has no tests/ directory")
     return dest
-

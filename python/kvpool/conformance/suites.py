@@ -39,8 +39,17 @@ DEFAULT_SUITES: tuple[str, ...] = (
     "tests/v1/simple_kv_offload",
 )
 
-GPU = "needs a GPU"
-WEIGHTS = "needs model weights (downloads and loads a model)"
+#: vLLM's LLaVA and Qwen2.5-VL model modules import transformers' image processors,
+#: which import torchvision; ``ModelConfig`` imports the model module (in a
+#: subprocess) to inspect the architecture. PyPI's x86_64 torchvision wheels are CUDA
+#: builds, which cannot load next to the CPU torch.
+NEEDS_TORCHVISION = (
+    "needs torchvision (GPU stack): ModelConfig({model}) inspects vLLM's {arch} model module, "
+    "which imports transformers' image processors and through them torchvision; PyPI's "
+    "x86_64 torchvision wheels are CUDA builds that cannot load next to the CPU torch"
+)
+LLAVA = NEEDS_TORCHVISION.format(model="llava-hf/llava-1.5-7b-hf", arch="LLaVA")
+QWEN2_5_VL = NEEDS_TORCHVISION.format(model="Qwen/Qwen2.5-VL-3B-Instruct", arch="Qwen2.5-VL")
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,183 @@ class Exclusion:
         return "::" not in self.nodeid
 
 
-EXCLUSIONS: tuple[Exclusion, ...] = ()
+EXCLUSIONS: tuple[Exclusion, ...] = (
+    Exclusion(
+        "tests/v1/core/prefix_cache/test_hybrid_prefix_cache_hit_rate.py",
+        "needs model weights: serves Qwen/Qwen3.5-0.8B through an OpenAI-compatible server",
+    ),
+    Exclusion(
+        "tests/v1/core/test_reset_prefix_cache_e2e.py::test_reset_prefix_cache_e2e",
+        "needs model weights: runs LLMEngine on Qwen/Qwen3-0.6B end to end",
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler_e2e.py",
+        "needs model weights: runs LLM on hmellor/tiny-random-LlamaForCausalLM end to end",
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_async_scheduling_pp_allows_rescheduling_with_output_placeholders",
+        (
+            "needs a GPU: async scheduling with pipeline parallelism needs Model Runner V2, which "
+            "vLLM selects only where Triton (a GPU compiler) is installed"
+        ),
+    ),
+    Exclusion(
+        "tests/v1/kv_connector/unit/test_hisparse_connector.py::test_draft_layer_rows_mirrored_after_drafter",
+        "needs a GPU: allocates pinned host memory (pin_memory=True needs an accelerator)",
+    ),
+    Exclusion(
+        "tests/v1/core/test_priority_scheduler_random.py::test_priority_scheduling_blast",
+        QWEN2_5_VL,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_cpu_encoder_input_updates_preserve_shm_handles",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_cpu_encoder_input_updates_restore_after_kv_load_failure",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_cpu_encoder_input_updates_resume_and_abort",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_cpu_encoder_input_updates_wait_for_completed_prefill",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_eagle3_mm_encoder_cache_with_shift",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_ec_connector_allocate_encoder_tokens_with_external_load",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_ec_connector_cache_hit_external_load",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_ec_connector_cache_miss_computes_locally",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_ec_connector_defers_running_request_for_async_reload",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_ec_connector_ensure_cache_available_defers_request",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_ec_connector_schedule_multiple_requests",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_ec_connector_text_only_request",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_ec_connector_unable_to_allocate",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_ec_connector_update_connector_output_called",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_ec_connector_waits_for_embeddings_in_prefix_replay",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_ec_connector_with_partial_cache_hit_multi_round",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_encoder_cache_accepts_matching_embed_count",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_encoder_cache_embed_count_mismatch_restores_prior_hit_state",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_encoder_cache_recomputed_when_evicted_during_preemption",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_encoder_cache_rejects_mismatched_embed_count",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_encoder_cache_rejects_mismatched_embed_count_within_request",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_encoder_cache_retained_across_preemption_and_resume",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_encoder_only_prompt_longer_than_budget_is_chunked",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_free_encoder_inputs_notifies_the_ec_connector",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_free_encoder_inputs_respects_unconfirmed_placeholders",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_free_encoder_inputs_unchanged_without_spec_decode",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_no_mm_input_chunking",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_no_mm_input_chunking_at_item_boundary",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_no_mm_input_chunking_for_same_step_duplicate",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_priority_scheduling_ec_connector_preemption_and_resumption",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_same_step_duplicate_encoder_input_stays_cached",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_schedule_multimodal_requests",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_schedule_partial_requests",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_unavailable_encoder_input_fails_the_request_as_retryable",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_waiting_encoder_stall_does_not_starve_later_requests",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_waiting_encoder_stall_is_counted_as_deferred",
+        LLAVA,
+    ),
+    Exclusion(
+        "tests/v1/core/test_scheduler.py::test_waiting_encoder_stall_kv_holder_keeps_drain_priority",
+        LLAVA,
+    ),
+)
 
 
 def exclusions_for(suites: list[str] | tuple[str, ...]) -> list[Exclusion]:

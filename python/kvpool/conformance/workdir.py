@@ -98,4 +98,3 @@ def run_environment(base: dict[str, str], hf_home: Path, mode: str) -> dict[str,
     else:
         env.pop("KVPOOL_DISABLE", None)
     return env
-

@@ -161,9 +161,6 @@ def main(argv: list[str] | None = None) -> int:
             if progress is not None:
                 progress.stop()
         wall = time.perf_counter() - t0
-        for mode, r in res["modes"].items():
-            if "info" in r:
-                r["info"]["num_blocks"] = pool.num_blocks
         out = {
             "workload": wl.to_json(),
             "config": {

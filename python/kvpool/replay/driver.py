@@ -27,10 +27,12 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import logging
 import math
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -124,6 +126,21 @@ def _native_context(model: str) -> int | None:
         return None
 
 
+@contextmanager
+def _quiet_config_warnings():
+    """Building ModelConfig offline logs warnings that do not apply to a replay (no
+    weights to find, no Triton for a model runner); keep errors only, while building."""
+    loggers = [logging.getLogger(name) for name in ("vllm", "transformers", "huggingface_hub")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def build_scheduler(workload: Workload, pool: PoolSpec):
     """A vLLM ``Scheduler`` (``AsyncScheduler`` for async workloads) without a model.
 
@@ -133,6 +150,11 @@ def build_scheduler(workload: Workload, pool: PoolSpec):
     declares, ``hf_overrides`` raises ``max_position_embeddings`` (only the scheduler's
     length checks read it; nothing runs the model).
     """
+    with _quiet_config_warnings():
+        return _build_scheduler(workload, pool)
+
+
+def _build_scheduler(workload: Workload, pool: PoolSpec):
     import torch
     from vllm.config import (
         CacheConfig,
@@ -156,7 +178,7 @@ def build_scheduler(workload: Workload, pool: PoolSpec):
         overrides["max_position_embeddings"] = max_model_len
     model_config = ModelConfig(
         model=eng.model,
-        dtype="float16",
+        dtype="bfloat16",
         seed=0,
         skip_tokenizer_init=True,
         max_model_len=max_model_len,
@@ -199,7 +221,7 @@ def build_scheduler(workload: Workload, pool: PoolSpec):
         block_size=pool.block_size,
         num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
         head_size=model_config.get_head_size(),
-        dtype=torch.float16,
+        dtype=torch.bfloat16,
     )
     kv_cache_config = KVCacheConfig(
         num_blocks=pool.num_blocks,
@@ -325,13 +347,19 @@ def _prompt_tokens(workload: Workload, rnd: int, seed: int) -> dict[str, list[in
     return out
 
 
+_none_hash_ready = False
+
+
 def _make_requests(workload: Workload, rnd: int, seed: int, block_size: int, max_model_len: int):
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    init_none_hash(sha256)
+    global _none_hash_ready
+    if not _none_hash_ready:  # once per process, as EngineCore does at startup
+        init_none_hash(sha256)
+        _none_hash_ready = True
     hasher = get_request_block_hasher(block_size, sha256)
     tokens = _prompt_tokens(workload, rnd, seed)
     reqs = []
@@ -536,6 +564,7 @@ def run_mode(
         "free_block_queue_class": _qualname(getattr(block_pool, "free_block_queue", None)),
         "defer_block_free": bool(scheduler.defer_block_free),
         "reorder_api": reorder_name,
+        "num_blocks": pool.num_blocks,
     }
     probe = _RoundProbe(scheduler)
     rounds = []

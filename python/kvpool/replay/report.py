@@ -104,7 +104,8 @@ def render_tables(report: dict[str, Any], console) -> None:
             None if c.get("deferred_free_s_per_block_median") is None
             else c["deferred_free_s_per_block_median"] * 1e9, "{:.0f}"))
         row("  vs vanilla", lambda m, r, c: _f(c.get("deferred_free_ratio_vs_vanilla"), "{:.2f}x"))
-    row("min / mean prompt contiguity", lambda m, r, c: f"{_f(c.get('min_contiguity'))} / {_f(c.get('mean_contiguity'))}")
+    row("min / mean prompt contiguity",
+        lambda m, r, c: f"{_f(c.get('min_contiguity'))} / {_f(c.get('mean_contiguity'))}")
     row("highest block id used", lambda m, r, c: str(max(x["max_block_id"] for x in r["rounds"])))
     row("preemptions", total("preemptions"))
     row("blocks not freed after a round", lambda m, r, c: str(c.get("max_leaked_blocks", 0)))

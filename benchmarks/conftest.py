@@ -1,0 +1,37 @@
+"""Benchmarks of vLLM 0.33.0's Python block pool and kvpool, in the same run.
+
+Each operation has one benchmark per implementation in the same pytest-benchmark
+group; the terminal summary prints the ratio of medians (vLLM / kvpool) and ns per
+block. Timings are never asserted in a test: ratios move with the machine, and CI
+runs on a shared 2-core box. ``python benchmarks/check_ratios.py RESULT.json``
+compares a saved run against the targets in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    session = getattr(config, "_benchmarksession", None)
+    if session is None or not session.benchmarks:
+        return
+    from benchmarks.ratios import ratio_rows
+
+    rows = ratio_rows(
+        [
+            {"group": b.group, "name": b.name, "median": b.stats.median, "extra_info": b.extra_info}
+            for b in session.benchmarks
+            if b.stats is not None and b.stats.data
+        ]
+    )
+    tr = terminalreporter
+    tr.write_sep("-", "kvpool vs vLLM 0.33.0 (same run, medians)")
+    tr.write_line(f"{'operation':<34}{'vLLM':>12}{'kvpool':>12}{'ratio':>9}{'kvpool ns/block':>17}{'target':>8}")
+    for r in rows:
+        tr.write_line(
+            f"{r['group']:<34}{r['vllm_s'] * 1e6:>10.1f}us{r['kvpool_s'] * 1e6:>10.1f}us"
+            f"{r['ratio']:>8.1f}x{r['kvpool_ns_per_block']:>17.1f}{r['target'] or '':>7}x"
+        )

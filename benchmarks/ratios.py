@@ -1,0 +1,36 @@
+"""Ratio table of a benchmark run (used by conftest.py and check_ratios.py)."""
+
+from __future__ import annotations
+
+#: Minimum vLLM/kvpool ratios (issue 4), at 85,000 blocks on a 2-core machine.
+TARGETS = {
+    "reorder": 200,
+    "pool_creation": 30,
+    "alloc_free_2100": 25,
+    "alloc_free_whole_pool": 25,
+    "touch_free_2100_hashed": 20,
+    "deferred_drain_2100": 20,
+}
+
+
+def ratio_rows(benchmarks: list[dict]) -> list[dict]:
+    """``benchmarks``: dicts with group, name, median (s), extra_info['impl'/'blocks']."""
+    by_group: dict[str, dict[str, dict]] = {}
+    for b in benchmarks:
+        by_group.setdefault(b["group"], {})[b["extra_info"]["impl"]] = b
+    rows = []
+    for group, impls in sorted(by_group.items()):
+        if {"vllm", "kvpool"} <= impls.keys():
+            v, k = impls["vllm"]["median"], impls["kvpool"]["median"]
+            blocks = impls["kvpool"]["extra_info"].get("blocks") or 1
+            rows.append(
+                {
+                    "group": group,
+                    "vllm_s": v,
+                    "kvpool_s": k,
+                    "ratio": v / k,
+                    "kvpool_ns_per_block": k / blocks * 1e9,
+                    "target": TARGETS.get(group),
+                }
+            )
+    return rows
