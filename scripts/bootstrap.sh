@@ -8,6 +8,7 @@
 # below (see docs/development.md). On a GPU host, install kvpool into the vLLM that
 # is already there instead (`pip install .`): it needs neither torch nor vLLM to build.
 set -euo pipefail
+export VLLM_TARGET_DEVICE="${VLLM_TARGET_DEVICE:-cpu}"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
 PY="${PYTHON:-python3}"
@@ -18,7 +19,13 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY="$here/.venv/bin/python"
-pip() { "$VPY" -m pip --disable-pip-version-check "$@"; }
+# pip, without the resolver's complaint that vLLM's CUDA-only requirements are
+# missing (they are left out on purpose, see above) and find-links noise.
+pip() {
+  "$VPY" -m pip --disable-pip-version-check "$@" 2>&1 \
+    | grep -v -E "requires .*which is not installed|but you have .* which is incompatible|dependency resolver does not currently|WARNING: Location '" || true
+  return "${PIPESTATUS[0]}"
+}
 
 stamp=".venv/.kvpool-deps-$VLLM_VERSION"
 if [ ! -f "$stamp" ]; then
@@ -35,7 +42,6 @@ fi
 
 # kvpool itself: build isolation off so the already installed Cython/scikit-build-core
 # are used and a rebuild takes seconds.
-pip install -q scikit-build-core cython ninja cmake
-pip install -q --no-build-isolation --no-deps -e . \
-  || pip install -q --no-build-isolation --no-deps .
-echo "bootstrap: .venv ready ($("$VPY" -c 'import vllm, kvpool; print("vllm", vllm.__version__, "kvpool", kvpool.__version__)' 2>/dev/null || echo 'kvpool not importable yet'))"
+pip install -q "scikit-build-core>=0.10" "cython>=3.0" ninja cmake
+pip install -q --no-build-isolation --no-deps -e .
+"$VPY" -c 'import kvpool._core, vllm; print(f"bootstrap: .venv ready (vLLM {vllm.__version__}, kvpool {__import__(\"kvpool\").__version__})")' 

@@ -1,0 +1,25 @@
+"""The plain C++ core (cpp/), compiled and run on its own, without Python headers."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++17 compiler (g++)")
+def test_cpp_core_unit_tests(tmp_path):
+    exe = tmp_path / "test_core"
+    sources = [ROOT / "cpp/tests/test_core.cpp", ROOT / "cpp/free_block_list.cpp", ROOT / "cpp/fenced_free_queue.cpp"]
+    subprocess.run(
+        ["g++", "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-fsanitize=address,undefined",
+         "-I", str(ROOT / "cpp"), *map(str, sources), "-o", str(exe)],
+        check=True, capture_output=True, text=True,
+    )
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "all checks passed" in proc.stdout
