@@ -196,3 +196,29 @@ def test_unpin_blocks_matches_vllm():
     assert [b.block_id for b in seen[0]] == [b.block_id for b in seen[1]]
     with pytest.raises(BlockStateError):
         pools[1].unpin_blocks([pools[1].null_block], print)
+
+
+def test_num_free_blocks_can_be_overwritten_like_vllms_counter():
+    """vLLM's tests set ``free_block_queue.num_free_blocks = 0`` to fake a full cache;
+    the counter then moves with every operation, as vLLM's plain int does."""
+    pools = [cls(20, True, 16) for cls in (VllmBlockPool, BlockPool)]
+    for p in pools:
+        held = p.get_new_blocks(4)
+        p.free_block_queue.num_free_blocks = 0
+        assert p.get_num_free_blocks() == 0
+        with pytest.raises(ValueError, match="Cannot get 1 free blocks"):
+            p.get_new_blocks(1)
+        p.free_blocks(held[:2])
+        assert p.get_num_free_blocks() == 2
+        assert len(p.get_new_blocks(2)) == 2
+    assert [p.get_num_free_blocks() for p in pools] == [0, 0]
+    assert pools[1].free_block_queue.free_block_ids() == list(range(5, 20))
+
+
+def test_placeholder_blocks_no_pool_owns_are_decremented_like_vllm():
+    pools = [cls(10, False, 16) for cls in (VllmBlockPool, BlockPool)]
+    for p, block_cls in zip(pools, (type(pools[0].blocks[0]), KVCacheBlock)):
+        placeholder = block_cls(1000)  # ref_cnt 0, owned by no pool
+        p.free_blocks([placeholder])
+        assert placeholder.ref_cnt == -1
+        assert p.get_num_free_blocks() == 9

@@ -302,6 +302,24 @@ def test_override_goes_to_the_shallowest_directory_without_a_vllm_conftest(tmp_p
         workdir.override_conftest_dir(root / "tests", "tests/test_top_level.py")
 
 
+@pytest.mark.parametrize(
+    "patch, expected",
+    [
+        (
+            "def broken(**kw):\n    raise RuntimeError('native core missing')\nkvpool.install = broken",
+            "native core missing",
+        ),
+        ("kvpool.install = lambda **kw: True\nkvpool.is_installed = lambda: False", "is_installed() is False"),
+    ],
+    ids=["install-raises", "install-is-a-no-op"],
+)
+def test_install_plugin_import_fails_loudly(patch, expected):
+    code = f"import kvpool\n{patch}\nimport kvpool.conformance.pytest_install\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "KvpoolInstallError" in proc.stderr and expected in proc.stderr, proc.stderr[-2000:]
+
+
 # -- sdist: index lookup, cache, verification, extraction ------------------------------
 
 

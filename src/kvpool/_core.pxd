@@ -35,6 +35,7 @@ cdef class FreeKVCacheBlockQueue:
     cdef list _blocks
     cdef bint _ids_ascending
     cdef bint _head_cut
+    cdef Py_ssize_t _count_offset
     cdef object _lazy_pool
     cdef bint _tail_cut
     cdef vector[int32_t] _scratch

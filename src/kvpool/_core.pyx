@@ -488,8 +488,21 @@ cdef class FreeKVCacheBlockQueue:
     # -- vLLM 0.33.0 API ---------------------------------------------------------------------
     @property
     def num_free_blocks(self):
-        """Number of free blocks in the queue."""
-        return self._list.size()
+        """Number of free blocks in the queue (int).
+
+        In vLLM this is a plain counter, and vLLM's own tests overwrite it to fake a
+        full cache (``queue.num_free_blocks = 0`` makes ``get_num_free_blocks()``
+        report 0 and the scheduler preempt). kvpool keeps that contract: an assigned
+        value is remembered as an offset from the true count, which every later
+        operation moves in step, exactly as vLLM's counter moves. The pool's
+        allocation checks read this value, as vLLM's do; the native list never hands
+        out more blocks than it really holds.
+        """
+        return self._list.size() + self._count_offset
+
+    @num_free_blocks.setter
+    def num_free_blocks(self, value):
+        self._count_offset = <Py_ssize_t>value - self._list.size()
 
     def popleft(self):
         """Pop the first free block. Raises ValueError("No free blocks available")."""
@@ -575,6 +588,7 @@ cdef class FreeKVCacheBlockQueue:
         for a queue whose blocks were not registered in ascending id order). The set of
         free blocks is unchanged."""
         cdef vector[int32_t] order
+        self._count_offset = 0  # a rebuilt queue counts truly, like vLLM's new queue
         if self._ids_ascending:
             self._list.rebuild_canonical()
             return
@@ -729,7 +743,7 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, int num_blocks,
     cdef Py_ssize_t i, j, n
     cdef KVCacheBlock b
     cdef bint has_extra = bool(cached_block_hashes_by_block)
-    if num_blocks > queue._list.size():
+    if num_blocks > queue._list.size() + queue._count_offset:
         raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
     ret = queue._pop_front(num_blocks)
     n = PyList_GET_SIZE(ret)

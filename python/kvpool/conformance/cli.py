@@ -16,8 +16,10 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from importlib import metadata
@@ -147,11 +149,19 @@ class _Run:
             return True
         if time.monotonic() > deadline:
             self.timed_out = True
-            self.proc.kill()
-            self.proc.wait()
+            self.kill()
             self.wall_s = time.monotonic() - self.started
             return True
         return False
+
+    def kill(self) -> None:
+        """Kill pytest and whatever it started (its own session, see ``start``)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
 
     def result(self) -> rpt.RunResult:
         tail = self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:] if self.log_path.exists() else ""
@@ -165,18 +175,23 @@ def run_modes(runs: list[_Run], jobs: int, timeout_s: float) -> None:
     """Run ``runs`` with at most ``jobs`` at a time, each limited to ``timeout_s``."""
     pending = list(runs)
     active: list[tuple[_Run, float]] = []
-    while pending or active:
-        while pending and len(active) < max(1, jobs):
-            run = pending.pop(0)
-            run.start()
-            print(f"conformance: {run.mode} run started (log: {run.log_path})", flush=True)
-            active.append((run, time.monotonic() + timeout_s))
-        for run, deadline in list(active):
-            if run.poll(deadline):
-                active.remove((run, deadline))
-                rc = run.proc.returncode if run.proc else None
-                print(f"conformance: {run.mode} run finished in {run.wall_s:.0f} s (pytest exit {rc})", flush=True)
-        time.sleep(0.2)
+    try:
+        while pending or active:
+            while pending and len(active) < max(1, jobs):
+                run = pending.pop(0)
+                run.start()
+                print(f"conformance: {run.mode} run started (log: {run.log_path})", flush=True)
+                active.append((run, time.monotonic() + timeout_s))
+            for run, deadline in list(active):
+                if run.poll(deadline):
+                    active.remove((run, deadline))
+                    rc = run.proc.returncode if run.proc else None
+                    print(f"conformance: {run.mode} run finished in {run.wall_s:.0f} s (pytest exit {rc})", flush=True)
+            time.sleep(0.2)
+    finally:
+        # Ctrl-C or an error here: the runs live in their own sessions and would outlive us.
+        for run, _ in active:
+            run.kill()
 
 
 def _vllm_version() -> str:
@@ -202,15 +217,15 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tempfile.mkdtemp(prefix="kvpool-conformance-"))
         keep = args.keep_workdir
     try:
-        try:
-            tarball = args.sdist or sd.fetch_sdist(vllm_version, index_url=args.index_url)
-        except sd.SdistError as e:
-            print(f"conformance: {e}", file=sys.stderr)
-            return EXIT_SETUP_FAILED
         src_root = workdir / "src"
         if src_root.exists():
             shutil.rmtree(src_root)
-        sd.extract_tests(Path(tarball), src_root)
+        try:
+            tarball = args.sdist or sd.fetch_sdist(vllm_version, index_url=args.index_url)
+            sd.extract_tests(Path(tarball), src_root)
+        except (sd.SdistError, tarfile.TarError, OSError) as e:
+            print(f"conformance: {e}", file=sys.stderr)
+            return EXIT_SETUP_FAILED
         missing = [s for s in suites if not (src_root / s.split("::", 1)[0]).exists()]
         if missing:
             print(f"conformance: not in the vLLM {vllm_version} sdist: {', '.join(missing)}", file=sys.stderr)
@@ -252,6 +267,14 @@ def main(argv: list[str] | None = None) -> int:
                 "keyword": args.keyword,
                 "total_wall_s": round(time.monotonic() - t0, 1),
                 "workdir": str(workdir) if keep else None,
+                "pytest": {
+                    run.mode: {
+                        "argv": run.cmd[1:],
+                        "exit_status": results[run.mode].exitstatus,
+                        "collected": results[run.mode].collected,
+                    }
+                    for run in runs
+                },
             },
         )
         print(rpt.format_summary(report))

@@ -262,6 +262,8 @@ def extract_tests(sdist: Path, dest: Path, members: tuple[str, ...] = EXTRACT_ME
                 continue
             if not (info.isfile() or info.isdir()):
                 continue  # the test tree needs no links or devices
+            if rel.startswith("/") or ".." in rel.split("/"):
+                raise SdistError(f"{sdist}: refusing to extract {info.name!r} outside the work dir")
             info.name = rel
             chosen.append(info)
         if hasattr(tarfile, "data_filter"):
