@@ -44,4 +44,4 @@ fi
 # are used and a rebuild takes seconds.
 pip install -q "scikit-build-core>=0.10" "cython>=3.0" ninja cmake
 pip install -q --no-build-isolation --no-deps -e .
-"$VPY" -c 'import kvpool._core, vllm; print(f"bootstrap: .venv ready (vLLM {vllm.__version__}, kvpool {__import__(\"kvpool\").__version__})")' 
+"$VPY" -c 'import kvpool, kvpool._core, vllm; print("bootstrap: .venv ready: vLLM", vllm.__version__, "kvpool", kvpool.__version__)'
