@@ -41,6 +41,17 @@ void FencedFreeQueue::pop_front(std::vector<int64_t>& out) {
   compact();
 }
 
+void FencedFreeQueue::discard_front(size_t k) {
+  if (k > entries_.size()) throw std::out_of_range("discard_front past the end of the queue");
+  for (size_t i = 0; i < k; ++i) {
+    const Entry& e = entries_.front();
+    num_blocks_ -= e.end - e.begin;
+    head_offset_ = e.end;
+    entries_.pop_front();
+  }
+  if (k) compact();
+}
+
 void FencedFreeQueue::clear() {
   entries_.clear();
   buffer_.clear();

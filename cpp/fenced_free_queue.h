@@ -38,6 +38,8 @@ class FencedFreeQueue {
                std::vector<size_t>* entry_ends = nullptr);
   // Remove the first entry regardless of its fence. Throws if empty.
   void pop_front(std::vector<int64_t>& out);
+  // Remove the first k entries (k <= num_entries()) without copying them out.
+  void discard_front(size_t k);
 
   size_t num_entries() const { return entries_.size(); }
   size_t num_blocks() const { return num_blocks_; }

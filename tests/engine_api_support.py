@@ -3,9 +3,10 @@
 * :func:`make_vllm_config` — a ``VllmConfig`` for ``facebook/opt-125m`` read from the
   config files kvpool ships (a local directory: no Hugging Face lookup).
 * :class:`ScriptedExecutor` — a vLLM ``Executor`` whose single in-process "worker"
-  runs no model: it declares one full-attention layer, reports memory for
-  ``num_gpu_blocks_override`` blocks, and answers every ``execute_model`` with one
-  sampled token per scheduled request. Everything above it (``EngineCore`` /
+  runs no model: it declares one full-attention layer, reports ample memory (the
+  config's ``num_gpu_blocks_override`` sizes the pool), and answers every
+  ``execute_model`` with one sampled token per scheduled request, after
+  :data:`STEP_SECONDS`. Everything above it (``EngineCore`` /
   ``EngineCoreProc``, its busy loop and utility dispatch, the ZMQ clients, the
   scheduler and kvpool's pools) is vLLM's and kvpool's own code. The worker records
   the block ids the scheduler hands each request; tests read them through vLLM's

@@ -515,6 +515,7 @@ def mp_client():
     client.shutdown()
 
 
+@pytest.mark.slow  # starts an engine-core process
 def test_engine_core_process_runs_the_reorder_through_call_utility(mp_client):
     # The engine-core process is a fresh interpreter: the method exists there only if
     # the plugin installed kvpool before the utility call was dispatched.
@@ -524,6 +525,7 @@ def test_engine_core_process_runs_the_reorder_through_call_utility(mp_client):
     assert client_probe(mp_client) == [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # starts an engine-core process
 def test_llm_over_sync_mp_client_reorders_the_engine_core_process(mp_client):
     llm = _llm_over(mp_client)
     for reorder in (mp_client.reset_free_block_queue_order, llm.llm_engine.reset_free_block_queue_order,
@@ -533,6 +535,7 @@ def test_llm_over_sync_mp_client_reorders_the_engine_core_process(mp_client):
         assert client_probe(mp_client) == [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # starts an engine-core process
 def test_sync_mp_layers_refuse_while_a_request_holds_blocks(mp_client):
     llm = _llm_over(mp_client)
     client_scramble(mp_client)
@@ -545,6 +548,7 @@ def test_sync_mp_layers_refuse_while_a_request_holds_blocks(mp_client):
     assert client_probe(mp_client) != [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # starts an engine-core process
 def test_llm_reset_prefix_cache_flag_reorders_the_engine_core_process(mp_client):
     llm = _llm_over(mp_client)
     client_scramble(mp_client)
@@ -555,6 +559,7 @@ def test_llm_reset_prefix_cache_flag_reorders_the_engine_core_process(mp_client)
     assert client_probe(mp_client) == [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # starts an engine-core process
 def test_env_switch_in_the_engine_core_process_makes_a_plain_reset_reorder(mp_client):
     set_env = lambda value: mp_client.call_utility(  # noqa: E731
         "collective_rpc", "set_environ", None, (REORDER_ON_RESET_ENV, value), None
@@ -651,7 +656,14 @@ class AsyncEngine:
         self.run(go())
 
     def close(self) -> None:
-        self.client.shutdown()
+        async def shutdown():
+            # Inside the loop, as a server shuts AsyncLLM down: the client then closes
+            # its sockets and cancels its output task at once (from outside it only
+            # schedules that on the loop, and a later gc of the ZMQ context hangs).
+            self.client.shutdown()
+            await asyncio.sleep(0)
+
+        self.run(shutdown())
         self.loop.close()
 
 
@@ -668,6 +680,7 @@ def async_engine():
     engine.close()
 
 
+@pytest.mark.slow  # starts an engine-core process
 def test_async_llm_and_async_mp_client_reorder_the_engine_core_process(async_engine):
     for reorder in (async_engine.client.reset_free_block_queue_order_async, async_engine.llm.reset_free_block_queue_order):
         async_engine.scramble()
@@ -677,6 +690,7 @@ def test_async_llm_and_async_mp_client_reorder_the_engine_core_process(async_eng
         assert async_engine.probe() == [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # starts an engine-core process
 def test_async_layers_refuse_while_a_request_holds_blocks(async_engine):
     async_engine.scramble()
     req = async_engine.start_request()
@@ -687,6 +701,7 @@ def test_async_layers_refuse_while_a_request_holds_blocks(async_engine):
     assert async_engine.probe() != [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # starts an engine-core process
 def test_async_llm_reset_prefix_cache_flag_reorders(async_engine):
     async_engine.scramble()
     assert async_engine.run(async_engine.llm.reset_prefix_cache()) is True
@@ -707,6 +722,7 @@ def _dev_app(engine_client):
     return app
 
 
+@pytest.mark.slow  # starts an engine-core process
 def test_http_routes_reorder_the_engine_core_process(async_engine):
     import httpx
 

@@ -199,7 +199,7 @@ class BlockPool(VllmBlockPool):
         """
         every_block = self.metrics_collector is not None
         for block in pool_blocks_to_evict(
-            self.free_block_queue, block_ids, self.cached_block_hashes_by_block, every_block
+            self.blocks, block_ids, self.cached_block_hashes_by_block, every_block
         ):
             self._maybe_evict_cached_block(block)
 

@@ -331,12 +331,15 @@ async def _client_reset_free_block_queue_order_async(self) -> bool:
 def _client_reset_prefix_cache(
     self, reset_running_requests: bool = False, reset_connector: bool = False, *, reorder_free_queue: bool = False
 ) -> bool:
+    """Reset the prefix cache; with ``reorder_free_queue``, then restore the canonical
+    free-block-queue order."""
     raise NotImplementedError
 
 
 async def _client_reset_prefix_cache_async(
     self, reset_running_requests: bool = False, reset_connector: bool = False, *, reorder_free_queue: bool = False
 ) -> bool:
+    """Async ``reset_prefix_cache()``."""
     raise NotImplementedError
 
 

@@ -34,6 +34,7 @@ cdef class FreeKVCacheBlockQueue:
     cdef FreeBlockList _list
     cdef list _blocks
     cdef bint _ids_ascending
+    cdef bint _initialized
     cdef bint _head_cut
     cdef Py_ssize_t _count_offset
     cdef object _lazy_pool
@@ -43,7 +44,7 @@ cdef class FreeKVCacheBlockQueue:
     cdef readonly KVCacheBlock fake_free_list_tail
     cdef object __weakref__
 
-    cdef _init_registered(self, list blist, bint ids_known_ascending)
+    cdef _init_registered(self, list blist, bint ids_ascending)
     cdef object _neighbour(self, KVCacheBlock block, bint forward)
     cdef _set_sentinel_link(self, KVCacheBlock sentinel, value, bint forward)
     cdef int _check_tail(self) except -1

@@ -45,14 +45,17 @@ cdef extern from "structmember.h":
 
 cdef extern from "fastint.h":
     long kvpool_long_value(PyObject* o) except? -1
+    PyObject* kvpool_true()
+    PyObject* kvpool_false()
+    bint kvpool_is_int(PyObject* o)
+
+from operator import index as _index
+from libc.limits cimport LONG_MAX
 
 
 cdef int32_t HEAD_SLOT = -2
 cdef int32_t TAIL_SLOT = -3
 cdef int32_t UNREGISTERED = -1
-# Slot of a block another queue took over. (None in a lazy queue's table means
-# "not created yet".)
-cdef object _RELEASED = object()
 
 
 # -- NULL-checking access to the member-descriptor fields -------------------------------
@@ -64,9 +67,12 @@ cdef inline int _store(PyObject** field, object value) except -1:
 
 
 cdef inline long _ref_cnt(KVCacheBlock b) except? -1:
+    # Native loops accept only ints here (no user __index__ runs inside them).
     cdef PyObject* p = b._ref_cnt_o
     if p is NULL:
-        raise AttributeError("ref_cnt")
+        raise AttributeError(f"KVCacheBlock has no ref_cnt (it was deleted)")
+    if not kvpool_is_int(p):
+        raise TypeError(f"ref_cnt must be an int, got {type(<object>p).__name__}")
     return kvpool_long_value(p)
 
 
@@ -75,20 +81,23 @@ cdef list _SMALL_INTS = list(range(1024))
 
 
 cdef inline int _set_ref_cnt(KVCacheBlock b, long value) except -1:
+    if value == LONG_MAX:
+        raise OverflowError("ref_cnt overflow")
     if 0 <= value < 1024:
         return _store(&b._ref_cnt_o, <object>PyList_GET_ITEM(_SMALL_INTS, value))
     return _store(&b._ref_cnt_o, value)
 
 
 cdef inline bint _is_null(KVCacheBlock b) except -1:
+    # Native loops accept only bools here (no user __bool__ runs inside them).
     cdef PyObject* p = b._is_null_o
-    if p is <PyObject*>False:
+    if p == kvpool_false():
         return 0
-    if p is <PyObject*>True:
+    if p == kvpool_true():
         return 1
     if p is NULL:
-        raise AttributeError("is_null")
-    return bool(<object>p)
+        raise AttributeError("KVCacheBlock has no is_null (it was deleted)")
+    raise TypeError(f"is_null must be a bool, got {type(<object>p).__name__}")
 
 
 cdef inline object _block_id(KVCacheBlock b):
@@ -193,6 +202,10 @@ cdef class KVCacheBlock:
     def prev_free_block(self, value):
         self._set_link(value, False)
 
+    @prev_free_block.deleter
+    def prev_free_block(self):
+        self._set_link(None, False)
+
     @property
     def next_free_block(self):
         """Next block in the free queue (the fake tail for the last free block), or None
@@ -204,6 +217,10 @@ cdef class KVCacheBlock:
     @next_free_block.setter
     def next_free_block(self, value):
         self._set_link(value, True)
+
+    @next_free_block.deleter
+    def next_free_block(self):
+        self._set_link(None, True)
 
     cdef _set_link(self, value, bint forward):
         if self._queue is None:
@@ -299,11 +316,26 @@ cdef class FreeKVCacheBlockQueue:
             blocks than are free.
     """
 
+    def __cinit__(self):
+        # A queue that was never initialised is an empty queue, not a crash.
+        self._blocks = []
+        self._list = FreeBlockList(0, True)
+        self.fake_free_list_head = _new_block(-1, None)
+        self.fake_free_list_head._queue = self
+        self.fake_free_list_head._slot = HEAD_SLOT
+        self.fake_free_list_tail = _new_block(-1, None)
+        self.fake_free_list_tail._queue = self
+        self.fake_free_list_tail._slot = TAIL_SLOT
+
     def __init__(self, blocks):
-        cdef list blist = list(blocks)
-        cdef Py_ssize_t n = len(blist), i
+        cdef list blist
+        cdef Py_ssize_t n, i
         cdef KVCacheBlock b
         cdef set seen = set()
+        if self._initialized:
+            raise RuntimeError("FreeKVCacheBlockQueue is already initialised; build a new one")
+        blist = list(blocks)
+        n = len(blist)
         for i in range(n):
             obj = blist[i]
             if not isinstance(obj, KVCacheBlock):
@@ -312,6 +344,16 @@ cdef class FreeKVCacheBlockQueue:
             if id(obj) in seen:
                 raise BlockStateError(f"block {(<KVCacheBlock>obj).block_id} appears twice")
             seen.add(id(obj))
+        # Compare ids before taking any block over: a comparison error must leave the
+        # blocks with their old queue.
+        ids_ascending = True
+        try:
+            for i in range(1, n):
+                if not (_block_id(<KVCacheBlock>blist[i]) > _block_id(<KVCacheBlock>blist[i - 1])):
+                    ids_ascending = False
+                    break
+        except TypeError:
+            ids_ascending = False
         for i in range(n):
             b = <KVCacheBlock>blist[i]
             if b._queue is not None and b._queue is not self:
@@ -320,24 +362,15 @@ cdef class FreeKVCacheBlockQueue:
             b._slot = <int32_t>i
             b._prev_py = None
             b._next_py = None
-        self._init_registered(blist, False)
+        self._init_registered(blist, ids_ascending)
 
-    cdef _init_registered(self, list blist, bint ids_known_ascending):
-        cdef Py_ssize_t n = len(blist), i
+    cdef _init_registered(self, list blist, bint ids_ascending):
+        if PyList_GET_SIZE(blist) >= 2**31 - 2:
+            raise ValueError("a free queue holds at most 2**31 - 3 blocks")
         self._blocks = blist
-        self._list = FreeBlockList(<int32_t>n, True)
-        self._ids_ascending = True
-        if not ids_known_ascending:
-            for i in range(1, n):
-                if not (_block_id(<KVCacheBlock>blist[i]) > _block_id(<KVCacheBlock>blist[i - 1])):
-                    self._ids_ascending = False
-                    break
-        self.fake_free_list_head = _new_block(-1, None)
-        self.fake_free_list_head._queue = self
-        self.fake_free_list_head._slot = HEAD_SLOT
-        self.fake_free_list_tail = _new_block(-1, None)
-        self.fake_free_list_tail._queue = self
-        self.fake_free_list_tail._slot = TAIL_SLOT
+        self._list = FreeBlockList(<int32_t>PyList_GET_SIZE(blist), True)
+        self._ids_ascending = ids_ascending
+        self._initialized = True
 
     # -- internal helpers ---------------------------------------------------------------
     cdef int32_t _slot_of(self, KVCacheBlock block) except -1:
@@ -358,7 +391,11 @@ cdef class FreeKVCacheBlockQueue:
         block._next_py = None
         if slot > 0 and self._ids_ascending:
             prev_obj = self._block_at(slot - 1)
-            if prev_obj is _RELEASED or not (_block_id(block) > _block_id(<KVCacheBlock>prev_obj)):
+            try:
+                ascending = _block_id(block) > _block_id(<KVCacheBlock>prev_obj)
+            except TypeError:
+                ascending = False
+            if not ascending:
                 self._ids_ascending = False
         return slot
 
@@ -368,7 +405,8 @@ cdef class FreeKVCacheBlockQueue:
         if slot >= 0 and block._queue is self:
             if self._list.contains(slot):
                 self._list.remove(slot)
-            self._blocks[slot] = _RELEASED
+            # The block object stays in this table (pool.blocks[i] is still the
+            # block); its _queue/_slot now name the queue that took it over.
         block._queue = None
         block._slot = UNREGISTERED
 
@@ -409,17 +447,19 @@ cdef class FreeKVCacheBlockQueue:
                 self._tail_cut = True
             return
         if head:
+            was_cut = self._head_cut
             self._head_cut = False
             truth = self._neighbour(sentinel, True)
             if truth is not value:
-                self._head_cut = True
+                self._head_cut = was_cut
                 raise AttributeError("the fake head's link is managed natively; only its "
                                      "true next block can be set back")
         else:
+            was_cut = self._tail_cut
             self._tail_cut = False
             truth = self._neighbour(sentinel, False)
             if truth is not value:
-                self._tail_cut = True
+                self._tail_cut = was_cut
                 raise AttributeError("the fake tail's link is managed natively; only its "
                                      "true prev block can be set back")
 
@@ -470,7 +510,7 @@ cdef class FreeKVCacheBlockQueue:
 
     cdef int _collect_slots(self, object blocks) except -1:
         # Slots of `blocks` into self._scratch; adopts blocks that no queue owns.
-        cdef list blist = blocks if type(blocks) is list else list(blocks)
+        cdef list blist = _private_list(blocks)
         cdef Py_ssize_t n = PyList_GET_SIZE(blist), i
         cdef object obj
         cdef KVCacheBlock b
@@ -515,12 +555,16 @@ cdef class FreeKVCacheBlockQueue:
         slot = self._list.popleft()
         return self._block_at(slot)
 
-    def popleft_n(self, int n):
+    def popleft_n(self, n):
         """Pop the first ``n`` free blocks, as a list of length ``n`` in queue order.
 
-        Raises ValueError if ``n`` is negative or more than ``num_free_blocks``.
+        Raises TypeError if ``n`` is not an int, ValueError if it is negative or more
+        than ``num_free_blocks``.
         """
-        return self._pop_front(n)
+        cdef Py_ssize_t count = _index(n)
+        if count < 0 or count > self._list.size():
+            raise ValueError(f"cannot pop {count} blocks: {self._list.size()} free")
+        return self._pop_front(<int32_t>count)
 
     def remove(self, KVCacheBlock block not None):
         """Remove a free block from anywhere in the queue, O(1).
@@ -655,11 +699,12 @@ cdef class BlockTable:
     def __len__(self):
         return PyList_GET_SIZE(self._queue._blocks)
 
-    cdef object _get(self, Py_ssize_t i):
+    cdef object _get(self, object index):
         cdef Py_ssize_t n = PyList_GET_SIZE(self._queue._blocks)
+        i = _index(index)
         if i < 0:
             i += n
-        if i < 0 or i >= n:
+        if not (0 <= i < n):
             raise IndexError("block index out of range")
         return self._queue._block_at(<int32_t>i)
 
@@ -683,12 +728,13 @@ cdef class BlockTable:
         if not isinstance(item, KVCacheBlock):
             return False
         b = <KVCacheBlock>item
-        return (b._queue is self._queue and 0 <= b._slot < len(self)
-                and <object>PyList_GET_ITEM(self._queue._blocks, b._slot) is b)
+        i = _block_id(b)
+        return (type(i) is int and 0 <= i < len(self)
+                and <object>PyList_GET_ITEM(self._queue._blocks, <Py_ssize_t>i) is b)
 
     def index(self, item):
         if item in self:
-            return (<KVCacheBlock>item)._slot
+            return _block_id(<KVCacheBlock>item)
         raise ValueError(f"{item!r} is not in the pool's blocks")
 
     def count(self, item):
@@ -697,7 +743,7 @@ cdef class BlockTable:
     def materialized(self):
         """The block objects created so far (``list[KVCacheBlock]``, id order).
         Blocks not created yet are free, unhashed and have ``ref_cnt == 0``."""
-        return [b for b in self._queue._blocks if b is not None and b is not _RELEASED]
+        return [b for b in self._queue._blocks if b is not None]
 
     def __eq__(self, other):
         if isinstance(other, (list, tuple, BlockTable)):
@@ -724,7 +770,7 @@ cdef inline KVCacheBlock _as_block(object obj):
     return <KVCacheBlock>obj
 
 
-def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, int num_blocks,
+def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
                         bint enable_caching, dict cached_block_hashes_by_block,
                         object evict_cached_block):
     """``BlockPool.get_new_blocks`` without per-block Python calls.
@@ -736,68 +782,75 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, int num_blocks,
     Returns:
         ``list[KVCacheBlock]`` of length ``num_blocks``.
     Raises:
+        TypeError: ``num_blocks`` is not an int.
         ValueError: ``num_blocks`` negative or more than the free blocks.
-        BlockStateError: a free block with ``ref_cnt != 0`` (nothing is popped).
+        BlockStateError: a free block with ``ref_cnt != 0``. On any error the popped
+            blocks are put back where they were, with ``ref_cnt`` 0.
     """
+    cdef Py_ssize_t n = _index(num_blocks), i, j
     cdef list ret
-    cdef Py_ssize_t i, j, n
     cdef KVCacheBlock b
     cdef bint has_extra = bool(cached_block_hashes_by_block)
-    if num_blocks > queue._list.size() + queue._count_offset:
-        raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-    ret = queue._pop_front(num_blocks)
-    n = PyList_GET_SIZE(ret)
-    for i in range(n):
-        b = <KVCacheBlock>PyList_GET_ITEM(ret, i)
-        if _ref_cnt(b) != 0:
-            # A free block that is held: the pool was corrupted from outside. Put
-            # every popped block back where it was before raising.
-            for j in range(i):
-                _set_ref_cnt(<KVCacheBlock>PyList_GET_ITEM(ret, j), 0)
-            queue._list.prepend_n_unchecked(queue._scratch.data(), <int32_t>n)
-            raise BlockStateError(
-                f"free block {b.block_id} has ref_cnt={b.ref_cnt}; the pool is corrupted")
-        if enable_caching and (b._block_hash is not None or
-                               (has_extra and _block_id(b) in cached_block_hashes_by_block)):
-            evict_cached_block(b)
-        _set_ref_cnt(b, 1)
+    cdef vector[int32_t] popped
+    if n < 0:
+        raise ValueError(f"cannot get a negative number of blocks ({n})")
+    if n > queue._list.size() + queue._count_offset:
+        raise ValueError(f"Cannot get {n} free blocks from the pool")
+    ret = queue._pop_front(<int32_t>n)
+    popped = queue._scratch  # copy: the callback may reuse the queue's scratch
+    i = 0
+    try:
+        while i < n:
+            b = <KVCacheBlock>PyList_GET_ITEM(ret, i)
+            if _ref_cnt(b) != 0:
+                raise BlockStateError(
+                    f"free block {b.block_id} has ref_cnt={b.ref_cnt}; the pool is corrupted")
+            if enable_caching and (b._block_hash is not None or
+                                   (has_extra and _block_id(b) in cached_block_hashes_by_block)):
+                evict_cached_block(b)
+            _set_ref_cnt(b, 1)
+            i += 1
+    except BaseException:
+        # Put every popped block back in front, in its old order, unheld.
+        for j in range(i):
+            _store(&(<KVCacheBlock>PyList_GET_ITEM(ret, j))._ref_cnt_o, 0)
+        queue._list.prepend_n_unchecked(popped.data(), <int32_t>n)
+        raise
     return ret
 
 
 cdef object _LIST_REVERSEITERATOR = type(reversed([]))
 
 
-cdef list _as_sequence(object blocks, Py_ssize_t* start, Py_ssize_t* step, Py_ssize_t* count):
-    # vLLM frees `reversed(list)` on every request finish. Reading the iterator's
-    # list and position (its pickle state) walks the list backwards in place
-    # instead of copying it; anything else that is not a list is copied once.
+cdef list _private_list(object blocks):
+    # The native loops below call into Python (dict lookups, callbacks, the pools
+    # they forward to), so they work on a list nobody else can change. vLLM frees
+    # `reversed(list)` on every request finish: that case is copied from the
+    # iterator's list and position (its pickle state) with one C-level slice.
     cdef list seq
     cdef Py_ssize_t index
     if type(blocks) is list:
-        seq = <list>blocks
-        start[0], step[0], count[0] = 0, 1, PyList_GET_SIZE(seq)
-        return seq
+        return list(<list>blocks)
     if type(blocks) is _LIST_REVERSEITERATOR:
         state = blocks.__reduce__()
         if len(state) >= 3 and type(state[1][0]) is list:
             seq = <list>state[1][0]
-            index = min(<Py_ssize_t>state[2], PyList_GET_SIZE(seq) - 1)
+            index = <Py_ssize_t>state[2]
             blocks.__setstate__(-1)  # consumed, as iterating it would leave it
-            start[0], step[0], count[0] = index, -1, index + 1
-            return seq
-        start[0], step[0], count[0] = 0, 1, 0
+            if 0 <= index < PyList_GET_SIZE(seq):
+                return seq[index::-1]
         return []
-    seq = list(blocks)
-    start[0], step[0], count[0] = 0, 1, PyList_GET_SIZE(seq)
-    return seq
+    return list(blocks)
 
 
-cdef _undo_decrements(list blocks, Py_ssize_t start, Py_ssize_t step, Py_ssize_t upto, object pool):
+cdef _undo_decrements(list blocks, Py_ssize_t upto, object pool):
+    # Undo the decrements of blocks[0:upto] made by pool_free_blocks; best effort
+    # (the fields were valid ints a moment ago).
     cdef Py_ssize_t k
     cdef KVCacheBlock b
     for k in range(upto):
-        b = <KVCacheBlock>PyList_GET_ITEM(blocks, start + k * step)
-        if _is_null(b) or (b.pool is not None and b.pool is not pool):
+        b = <KVCacheBlock>PyList_GET_ITEM(blocks, k)
+        if b._is_null_o == kvpool_true() or (b.pool is not None and b.pool is not pool):
             continue
         _set_ref_cnt(b, _ref_cnt(b) + 1)
 
@@ -816,57 +869,66 @@ def pool_free_blocks(object pool, FreeKVCacheBlockQueue queue not None,
         ``dict[pool, list[KVCacheBlock]]`` of blocks owned by other pools (the caller
         forwards them), or None.
     Raises:
-        TypeError: not a kvpool block.
+        TypeError: not a kvpool block, or ``ref_cnt`` / ``is_null`` of the wrong type.
         BlockStateError: double free (``ref_cnt`` already 0 or the block is already
             free) or a block of another pool's queue with ``pool`` unset. Nothing
-            changes when raised.
+            changes in this pool when anything is raised.
     """
-    cdef Py_ssize_t start, step, n, k
-    cdef list blocks = _as_sequence(ordered_blocks, &start, &step, &n)
+    cdef list blocks = _private_list(ordered_blocks)
+    cdef Py_ssize_t n = PyList_GET_SIZE(blocks), k = 0
     cdef KVCacheBlock b
     cdef vector[int32_t] first
     cdef vector[int32_t] last
     cdef dict others = None
     cdef object bpool
     cdef long refs
+    cdef int32_t capacity = queue._list.capacity()
     first.reserve(n)
-    for k in range(n):
-        obj = <object>PyList_GET_ITEM(blocks, start + k * step)
-        if not isinstance(obj, KVCacheBlock):
-            _undo_decrements(blocks, start, step, k, pool)
-            raise TypeError(f"free_blocks() expects kvpool KVCacheBlock objects, got {type(obj).__name__}")
-        b = <KVCacheBlock>obj
-        if _is_null(b):
-            continue
-        bpool = b.pool
-        if bpool is not None and bpool is not pool:
-            if others is None:
-                others = {}
-            others.setdefault(bpool, []).append(b)
-            continue
-        refs = _ref_cnt(b)
-        if b._queue is None and refs != 1:
-            # A placeholder block no pool owns (vLLM's own tests build block tables
-            # of bare KVCacheBlock(id)): vLLM decrements its ref_cnt and, as it does
-            # not reach 0, never links it anywhere. Do the same; it cannot reach the
-            # free list. One that would reach 0 is refused below as foreign.
-            _set_ref_cnt(b, refs - 1)
-            continue
-        if b._queue is not queue or b._slot < 0 or refs <= 0 or queue._list.contains_unchecked(b._slot):
-            _undo_decrements(blocks, start, step, k, pool)
-            if b._queue is not queue or b._slot < 0:
+    try:
+        while k < n:
+            obj = <object>PyList_GET_ITEM(blocks, k)
+            if not isinstance(obj, KVCacheBlock):
+                raise TypeError(
+                    f"free_blocks() expects kvpool KVCacheBlock objects, got {type(obj).__name__}")
+            b = <KVCacheBlock>obj
+            if _is_null(b):
+                k += 1
+                continue
+            refs = _ref_cnt(b)
+            bpool = b.pool
+            if bpool is not None and bpool is not pool:
+                if others is None:
+                    others = {}
+                others.setdefault(bpool, []).append(b)
+                k += 1
+                continue
+            if b._queue is None and refs != 1:
+                # A placeholder block no pool owns (vLLM's own tests build block
+                # tables of bare KVCacheBlock(id)): vLLM decrements its ref_cnt and,
+                # as it does not reach 0, never links it anywhere. Do the same; it
+                # cannot reach the free list. One that would reach 0 is refused below
+                # as foreign.
+                _set_ref_cnt(b, refs - 1)
+                k += 1
+                continue
+            if b._queue is not queue or not (0 <= b._slot < capacity):
                 raise BlockStateError(
                     f"free_blocks(): block {b.block_id} does not belong to this pool")
-            raise BlockStateError(
-                f"free_blocks(): double free of block {b.block_id} (ref_cnt={b.ref_cnt})")
-        _set_ref_cnt(b, refs - 1)
-        if refs == 1:
-            if b._block_hash is None or not enable_caching:
-                first.push_back(b._slot)
-            else:
-                last.push_back(b._slot)
-    # Every block was checked above (not free, listed once per reference), so these
-    # batch links cannot fail.
+            if refs <= 0 or queue._list.contains_unchecked(b._slot):
+                raise BlockStateError(
+                    f"free_blocks(): double free of block {b.block_id} (ref_cnt={refs})")
+            _set_ref_cnt(b, refs - 1)
+            if refs == 1:
+                if b._block_hash is None or not enable_caching:
+                    first.push_back(b._slot)
+                else:
+                    last.push_back(b._slot)
+            k += 1
+    except BaseException:
+        _undo_decrements(blocks, k, pool)
+        raise
+    # Every block was checked above (in range, not free, listed once per reference),
+    # so these batch links cannot fail.
     if first.size():
         queue._list.prepend_n_unchecked(first.data(), <int32_t>first.size())
     if last.size():
@@ -879,21 +941,31 @@ def pool_touch(FreeKVCacheBlockQueue queue not None, object blocks):
     eviction candidate) is first removed from the free queue. Null blocks are skipped.
 
     Raises:
+        TypeError: not a kvpool block, or a field of the wrong type.
         BlockStateError: a block with ``ref_cnt == 0`` that is not in this pool's free
-            queue. Nothing changes when raised.
+            queue. Nothing changes when raised (every block is checked before any is
+            changed; the checks run no user code).
     """
-    cdef list blist = blocks if type(blocks) is list else list(blocks)
+    cdef list blist = _private_list(blocks)
     cdef Py_ssize_t n = PyList_GET_SIZE(blist), i
     cdef KVCacheBlock b
     cdef long refs
+    cdef int32_t capacity = queue._list.capacity()
     for i in range(n):
         b = _as_block(<object>PyList_GET_ITEM(blist, i))
-        if _is_null(b) or _ref_cnt(b) != 0:
+        if _is_null(b):
             continue
-        queue._slot_of(b)
-        if not queue._list.contains(b._slot):
-            raise BlockStateError(
-                f"touch(): block {b.block_id} has ref_cnt=0 but is not in the free queue")
+        refs = _ref_cnt(b)
+        if refs == LONG_MAX - 1:
+            raise OverflowError("ref_cnt overflow")
+        if refs == 0:
+            if b._queue is not queue or not (0 <= b._slot < capacity):
+                raise BlockStateError(
+                    f"touch(): block {b.block_id} has ref_cnt=0 but belongs to another "
+                    "pool's free queue or none")
+            if not queue._list.contains_unchecked(b._slot):
+                raise BlockStateError(
+                    f"touch(): block {b.block_id} has ref_cnt=0 but is not in the free queue")
     for i in range(n):
         b = <KVCacheBlock>PyList_GET_ITEM(blist, i)
         if _is_null(b):
@@ -913,54 +985,72 @@ def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,
         BlockStateError: a null block, a block with ``ref_cnt <= 0`` (counting repeats
             in ``blocks``), or a block of another queue. Nothing changes when raised.
     """
-    cdef list blist = blocks if type(blocks) is list else list(blocks)
-    cdef Py_ssize_t n = PyList_GET_SIZE(blist), i
-    cdef KVCacheBlock b, bj
+    cdef list blist = _private_list(blocks)
+    cdef Py_ssize_t n = PyList_GET_SIZE(blist), i = 0, j
+    cdef KVCacheBlock b
+    cdef long refs
+    cdef int32_t capacity = queue._list.capacity()
     cdef vector[int32_t] released
+    try:
+        while i < n:
+            b = _as_block(<object>PyList_GET_ITEM(blist, i))
+            refs = _ref_cnt(b)
+            if (_is_null(b) or refs <= 0 or b._queue is not queue
+                    or not (0 <= b._slot < capacity) or queue._list.contains_unchecked(b._slot)):
+                raise BlockStateError(
+                    f"unpin_blocks(): block {b.block_id} is null, not held (ref_cnt={refs}) "
+                    "or not in this pool")
+            _set_ref_cnt(b, refs - 1)
+            if refs == 1:
+                released.push_back(b._slot)
+            i += 1
+    except BaseException:
+        for j in range(i):
+            b = <KVCacheBlock>PyList_GET_ITEM(blist, j)
+            _set_ref_cnt(b, _ref_cnt(b) + 1)
+        raise
     for i in range(n):
-        b = _as_block(<object>PyList_GET_ITEM(blist, i))
-        if _is_null(b) or _ref_cnt(b) <= 0 or b._queue is not queue:
-            for j in range(i):
-                bj = <KVCacheBlock>PyList_GET_ITEM(blist, j)
-                _set_ref_cnt(bj, _ref_cnt(bj) + 1)
-            raise BlockStateError(
-                f"unpin_blocks(): block {b.block_id} is null, not held (ref_cnt={b.ref_cnt}) "
-                "or not in this pool")
-        _set_ref_cnt(b, _ref_cnt(b) - 1)
-    for i in range(n):
-        b = <KVCacheBlock>PyList_GET_ITEM(blist, i)
-        reuse_watchers[_block_id(b)] = on_reuse
-        if _ref_cnt(b) == 0 and not queue._list.contains(b._slot):
-            released.push_back(b._slot)
+        reuse_watchers[_block_id(<KVCacheBlock>PyList_GET_ITEM(blist, i))] = on_reuse
     if released.size():
-        queue._list.append_n(released.data(), <int32_t>released.size())
+        queue._list.append_n_unchecked(released.data(), <int32_t>released.size())
 
 
-def pool_blocks_to_evict(FreeKVCacheBlockQueue queue not None, object block_ids,
+def pool_blocks_to_evict(object blocks, object block_ids,
                          dict cached_block_hashes_by_block, bint every_block):
     """Blocks named by ``block_ids`` that ``BlockPool.evict_blocks`` must visit: those
     with a prefix-cache hash, or all of them when ``every_block`` (a metrics collector
     wants an eviction callback for each). Blocks never created have no hash.
 
+    Args:
+        blocks: the pool's ``blocks`` (a :class:`BlockTable` or a list).
     Raises:
+        TypeError: an id that is not an int.
         BlockIdOutOfRangeError: an id outside ``[0, num_gpu_blocks)`` (checked for
             every id before any block is returned).
     """
-    cdef Py_ssize_t n = PyList_GET_SIZE(queue._blocks)
-    cdef list ids = list(block_ids)
+    cdef Py_ssize_t n = len(blocks), i
+    cdef vector[Py_ssize_t] ids
     cdef list out = []
-    cdef KVCacheBlock b
-    for block_id in ids:
-        if not (0 <= block_id < n):
+    cdef BlockTable table = blocks if isinstance(blocks, BlockTable) else None
+    for block_id in block_ids:
+        try:
+            i = _index(block_id)
+        except OverflowError:
+            i = -1
+        if not (0 <= i < n):
             raise BlockIdOutOfRangeError(
                 f"Invalid block_id {block_id}: the pool has blocks [0, {n}). This "
                 "indicates a bug in the KV connector - workers should only report "
                 "block IDs that were allocated by the scheduler.")
-    for block_id in ids:
-        obj = <object>PyList_GET_ITEM(queue._blocks, <Py_ssize_t>block_id)
-        if obj is None and not every_block:
-            continue
-        b = <KVCacheBlock>queue._block_at(<int32_t>block_id)
+        ids.push_back(i)
+    for i in ids:
+        if table is not None:
+            if not every_block and <object>PyList_GET_ITEM(table._queue._blocks, i) is None:
+                continue  # never created: no hash
+            obj = table._queue._block_at(<int32_t>i)
+        else:
+            obj = blocks[i]
+        b = _as_block(obj)
         if every_block or b._block_hash is not None or _block_id(b) in cached_block_hashes_by_block:
             out.append(b)
     return out
@@ -1070,6 +1160,7 @@ cdef class FencedDeferredFreeQueue:
         cdef Py_ssize_t k
         cdef int64_t owner, slot, current = -1
         cdef list table = None
+        cdef object owner_queue = None
         cdef Py_ssize_t table_size = 0
         cdef PyObject* obj
         for i in range(begin, end):
@@ -1078,8 +1169,10 @@ cdef class FencedDeferredFreeQueue:
             if owner != current:
                 if owner == _LOOSE_OWNER:
                     table = self._loose
+                    owner_queue = None
                 elif 0 <= owner < PyList_GET_SIZE(self._owners):
-                    table = (<FreeKVCacheBlockQueue>PyList_GET_ITEM(self._owners, owner))._blocks
+                    owner_queue = <object>PyList_GET_ITEM(self._owners, owner)
+                    table = (<FreeKVCacheBlockQueue>owner_queue)._blocks
                 else:
                     raise RuntimeError(f"corrupt deferred-free handle {handles[i]}")
                 table_size = PyList_GET_SIZE(table)
@@ -1087,7 +1180,9 @@ cdef class FencedDeferredFreeQueue:
             if not (0 <= slot < table_size):
                 raise RuntimeError(f"corrupt deferred-free handle {handles[i]}")
             obj = PyList_GET_ITEM(table, slot)
-            if <object>obj is _RELEASED or <object>obj is None:
+            if owner_queue is not None and (
+                    <object>obj is None or (<KVCacheBlock>obj)._queue is not owner_queue
+                    or (<KVCacheBlock>obj)._slot != slot):
                 raise BlockStateError(
                     "a deferred block was taken over by another free queue before its fence")
             k = <Py_ssize_t>(end - 1 - i if reverse else i - begin)
@@ -1105,13 +1200,17 @@ cdef class FencedDeferredFreeQueue:
     # -- kvpool API (eviction order) -------------------------------------------------------
     def push(self, fence_seq, blocks):
         """Queue ``blocks`` (iterable of blocks, in eviction order) to be freed once
-        ``processed_step_seq >= fence_seq`` (int, a scheduler step sequence number)."""
-        cdef Py_ssize_t start, step, n, k
-        cdef int64_t fence = fence_seq
-        cdef list seq = _as_sequence(blocks, &start, &step, &n)
+        ``processed_step_seq >= fence_seq`` (int, a scheduler step sequence number).
+
+        Raises:
+            TypeError: ``fence_seq`` is not an int (a float fence would be met early).
+        """
+        cdef int64_t fence = _index(fence_seq)
+        cdef list seq = _private_list(blocks)
+        cdef Py_ssize_t n = PyList_GET_SIZE(seq), k
         self._handles.resize(n)
         for k in range(n):
-            self._handles[k] = self._handle_of(<object>PyList_GET_ITEM(seq, start + k * step))
+            self._handles[k] = self._handle_of(<object>PyList_GET_ITEM(seq, k))
         self._q.push(fence, self._handles.data(), <size_t>n)
 
     def drain(self, processed_step_seq):
@@ -1121,22 +1220,26 @@ cdef class FencedDeferredFreeQueue:
             ``list[list[KVCacheBlock]]``: each drained entry's blocks in eviction order,
             oldest entry first. Free each with its own ``free_blocks`` call (one call
             for several entries would interleave their front/tail placement).
+        Raises:
+            TypeError: ``processed_step_seq`` is not an int.
+            BlockStateError: a queued block was taken over by another free queue;
+                nothing is removed then.
         """
-        cdef size_t drained, e, begin
+        cdef size_t ready, e
+        cdef FencedFreeQueue.Entry entry
         cdef list result = []
-        self._out.clear()
-        self._ends.clear()
-        drained = self._q.drain(<int64_t>processed_step_seq, self._out, &self._ends)
-        begin = 0
-        for e in range(drained):
-            result.append(self._objects(begin, self._ends[e], self._out.data(), False))
-            begin = self._ends[e]
+        ready = self._q.ready_entries(<int64_t>_index(processed_step_seq))
+        # Resolve every ready entry before removing any, so a failure loses nothing.
+        for e in range(ready):
+            entry = self._q.entry(e)
+            result.append(self._objects(entry.begin, entry.end, self._q.handles(), False))
+        self._q.discard_front(ready)
         self._maybe_reset_tables()
         return result
 
     def ready_entries(self, processed_step_seq):
         """Number of leading entries whose fence is met (nothing is removed)."""
-        return self._q.ready_entries(<int64_t>processed_step_seq)
+        return self._q.ready_entries(<int64_t>_index(processed_step_seq))
 
     @property
     def num_blocks(self):

@@ -2,6 +2,7 @@
  * PyLong_AsLong: ref counts are almost always one-digit ints. Falls back to
  * PyLong_AsLong for anything else (which also handles non-compact values). */
 #pragma once
+/* Also: Py_True/Py_False for pointer compares, and an exact int check. */
 #include <Python.h>
 
 static inline long kvpool_long_value(PyObject* o) {
@@ -19,3 +20,8 @@ static inline long kvpool_long_value(PyObject* o) {
 #endif
   return PyLong_AsLong(o);
 }
+
+static inline PyObject* kvpool_true(void) { return Py_True; }
+static inline PyObject* kvpool_false(void) { return Py_False; }
+/* An int (bool included): its value is read without calling user code. */
+static inline int kvpool_is_int(PyObject* o) { return PyLong_Check(o); }
