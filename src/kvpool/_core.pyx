@@ -956,8 +956,8 @@ def pool_touch(FreeKVCacheBlockQueue queue not None, object blocks):
         if _is_null(b):
             continue
         refs = _ref_cnt(b)
-        if refs == LONG_MAX - 1:
-            raise OverflowError("ref_cnt overflow")
+        if refs == LONG_MAX:
+            raise OverflowError(f"touch(): ref_cnt of block {b.block_id} would overflow")
         if refs == 0:
             if b._queue is not queue or not (0 <= b._slot < capacity):
                 raise BlockStateError(
