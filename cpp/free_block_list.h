@@ -312,15 +312,11 @@ inline void FreeBlockList::rebuild_in_order(const int32_t* slots, int32_t n) {
     }
     seen[s] = 1;
   }
-  int32_t last = kHead;
-  for (int32_t i = 0; i < n; ++i) {
-    int32_t node = slots[i] + kFirst;
-    next_[last] = node;
-    prev_[node] = last;
-    last = node;
-  }
-  next_[last] = kTail;
-  prev_[kTail] = last;
+  // Same free set, new order: empty the list and link the run after the head.
+  next_[kHead] = kTail;
+  prev_[kTail] = kHead;
+  size_ = 0;
+  link_run_after(kHead, slots, n);
 }
 
 inline std::vector<int32_t> FreeBlockList::to_vector() const {

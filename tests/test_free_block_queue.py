@@ -216,3 +216,13 @@ def test_new_queue_takes_blocks_over_like_the_rfc_reorder_body():
     assert q1.num_free_blocks == 0
     q1.check_invariants()
     q2.check_invariants()
+
+
+def test_rebuild_canonical_sorts_by_block_id_when_registration_order_differs():
+    blocks = [KVCacheBlock(i) for i in (5, 3, 9, 1, 7)]
+    q = FreeKVCacheBlockQueue(blocks)
+    q.append(q.popleft())
+    assert q.free_block_ids() == [3, 9, 1, 7, 5]
+    q.rebuild_canonical()
+    assert q.free_block_ids() == [1, 3, 5, 7, 9]
+    q.check_invariants()

@@ -56,3 +56,4 @@ cdef class FreeKVCacheBlockQueue:
     cdef object _materialize(self, int32_t slot)
     cdef list _pop_front(self, int32_t n)
     cdef int _collect_slots(self, object blocks) except -1
+    cdef _insert(self, blocks, bint front)

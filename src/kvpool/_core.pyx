@@ -589,25 +589,27 @@ cdef class FreeKVCacheBlockQueue:
 
     def append_n(self, blocks):
         """Put ``blocks`` at the tail, in the given order."""
-        if not blocks:
-            return
-        self._check_tail()
-        self._collect_slots(blocks)
-        try:
-            self._list.append_n(self._scratch.data(), <int32_t>self._scratch.size())
-        except ValueError as e:
-            raise BlockStateError(f"append_n(): {e}") from None
+        self._insert(blocks, False)
 
     def prepend_n(self, blocks):
         """Put ``blocks`` at the front (allocated first), in the given order."""
+        self._insert(blocks, True)
+
+    cdef _insert(self, blocks, bint front):
         if not blocks:
             return
-        self._check_head()
+        if front:
+            self._check_head()
+        else:
+            self._check_tail()
         self._collect_slots(blocks)
         try:
-            self._list.prepend_n(self._scratch.data(), <int32_t>self._scratch.size())
+            if front:
+                self._list.prepend_n(self._scratch.data(), <int32_t>self._scratch.size())
+            else:
+                self._list.append_n(self._scratch.data(), <int32_t>self._scratch.size())
         except ValueError as e:
-            raise BlockStateError(f"prepend_n(): {e}") from None
+            raise BlockStateError(f"{'prepend_n' if front else 'append_n'}(): {e}") from None
 
     def get_all_free_blocks(self):
         """All free blocks in eviction order (a new list)."""
