@@ -64,6 +64,26 @@ class FreeBlockList {
   // block anyway, so the batch link is one pass.
   void append_n_unchecked(const int32_t* slots, int32_t n) { link_run_after(prev_[kTail], slots, n); }
   void prepend_n_unchecked(const int32_t* slots, int32_t n) { link_run_after(kHead, slots, n); }
+  // remove() that reports the neighbours it unlinked from, and its exact inverse:
+  // undoing removals in reverse order restores the list ("dancing links"). For
+  // callers that validated `slot` (free, in range).
+  void remove_recording(int32_t slot, int32_t* prev_node, int32_t* next_node) {
+    int32_t node = slot + kFirst;
+    *prev_node = prev_[node];
+    *next_node = next_[node];
+    next_[*prev_node] = *next_node;
+    prev_[*next_node] = *prev_node;
+    prev_[node] = next_[node] = kNotFree;
+    --size_;
+  }
+  void undo_remove(int32_t slot, int32_t prev_node, int32_t next_node) {
+    int32_t node = slot + kFirst;
+    prev_[node] = prev_node;
+    next_[node] = next_node;
+    next_[prev_node] = node;
+    prev_[next_node] = node;
+    ++size_;
+  }
   // contains() without the range check; `slot` must be in [0, capacity).
   bool contains_unchecked(int32_t slot) const { return prev_[slot + kFirst] >= 0; }
 

@@ -226,3 +226,13 @@ def test_rebuild_canonical_sorts_by_block_id_when_registration_order_differs():
     q.rebuild_canonical()
     assert q.free_block_ids() == [1, 3, 5, 7, 9]
     q.check_invariants()
+
+
+def test_lazily_created_blocks_of_a_pool_without_owner():
+    from kvpool._core import make_pool_blocks
+
+    blocks, q = make_pool_blocks(None, 6)
+    assert q.popleft().block_id == 0 and blocks[3].block_id == 3 and blocks[3].pool is None
+    popped = q.popleft_n(2)
+    q.prepend_n(popped)
+    assert q.free_block_ids() == [1, 2, 3, 4, 5]

@@ -248,3 +248,12 @@ def test_long_sequential_without_prefix_caching_alternates_direction(tmp_path):
     assert rep["modes"]["vanilla"]["rounds"][1]["prompt_descending"] == 1.0
     if "kvpool+reorder" in rep["modes"]:
         assert [r["contiguity"] for r in rep["modes"]["kvpool+reorder"]["rounds"]] == [1.0] * 4
+
+
+def test_a_workload_that_cannot_fit_the_pool_is_an_error_not_a_hang():
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    cmd = [sys.executable, "-m", "kvpool", "replay", "--num-blocks", "2000", "--rounds", "1",
+           "--modes", "kvpool", "--scale", "0.05", "--no-progress"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "usable blocks" in proc.stderr and "Traceback" not in proc.stderr

@@ -10,8 +10,6 @@ The extension types (``KVCacheBlock``, ``FreeKVCacheBlockQueue``) need neither t
 nor vLLM; ``BlockPool`` and ``install()`` import vLLM when first used.
 """
 
-from __future__ import annotations
-
 __version__ = "0.1.0"
 
 __all__ = [

@@ -94,6 +94,18 @@ def describe() -> str:
         f"KVPOOL_DISABLE={os.environ.get('KVPOOL_DISABLE', '')!r}",
     ]
     try:
+        eps = metadata.entry_points(group="vllm.general_plugins")
+        registered = any(ep.value == "kvpool.plugin:register" for ep in eps)
+    except Exception:  # pragma: no cover - broken metadata
+        registered = False
+    lines.append(
+        "vLLM plugin entry point: "
+        + ("registered (every vLLM process installs kvpool unless KVPOOL_DISABLE=1)" if registered else "NOT registered")
+    )
+    from kvpool import is_installed
+
+    lines.append(f"installed in this process: {'yes' if is_installed() else 'no'}")
+    try:
         from kvpool import _core  # noqa: F401
 
         lines.append("native core: built")

@@ -37,6 +37,7 @@ cdef class FreeKVCacheBlockQueue:
     cdef bint _initialized
     cdef bint _head_cut
     cdef Py_ssize_t _count_offset
+    cdef bint _lazy            # block objects are created on first use
     cdef object _lazy_pool
     cdef bint _tail_cut
     cdef vector[int32_t] _scratch

@@ -412,7 +412,7 @@ cdef class FreeKVCacheBlockQueue:
 
     cdef inline object _block_at(self, int32_t slot):
         cdef object obj = <object>PyList_GET_ITEM(self._blocks, slot)
-        if obj is None and self._lazy_pool is not None:
+        if obj is None and self._lazy:
             return self._materialize(slot)
         return obj
 
@@ -679,6 +679,7 @@ def make_pool_blocks(object pool, int num_blocks):
     if num_blocks <= 0:
         raise ValueError(f"num_gpu_blocks must be > 0, got {num_blocks}")
     queue = FreeKVCacheBlockQueue.__new__(FreeKVCacheBlockQueue)
+    queue._lazy = True
     queue._lazy_pool = pool
     queue._init_registered([None] * num_blocks, True)
     return BlockTable(queue), queue
@@ -779,7 +780,8 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
 
     Pops ``num_blocks`` from the front of the free queue; for a block that still has
     a prefix-cache hash (or extra hashes in ``cached_block_hashes_by_block``) calls
-    ``evict_cached_block(block)``; sets ``ref_cnt`` to 1.
+    ``evict_cached_block(block)``; sets ``ref_cnt`` to 1. One pass: each block object
+    is touched once, while the returned list is built.
 
     Returns:
         ``list[KVCacheBlock]`` of length ``num_blocks``.
@@ -789,8 +791,9 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
         BlockStateError: a free block with ``ref_cnt != 0``. On any error the popped
             blocks are put back where they were, with ``ref_cnt`` 0.
     """
-    cdef Py_ssize_t n = _index(num_blocks), i, j
+    cdef Py_ssize_t n = _index(num_blocks), i = 0, j
     cdef list ret
+    cdef object obj
     cdef KVCacheBlock b
     cdef bint has_extra = bool(cached_block_hashes_by_block)
     cdef vector[int32_t] popped
@@ -798,12 +801,19 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
         raise ValueError(f"cannot get a negative number of blocks ({n})")
     if n > queue._list.size() + queue._count_offset:
         raise ValueError(f"Cannot get {n} free blocks from the pool")
-    ret = queue._pop_front(<int32_t>n)
-    popped = queue._scratch  # copy: the callback may reuse the queue's scratch
-    i = 0
+    if n > queue._list.size():
+        raise ValueError(f"Cannot get {n} free blocks from the pool "
+                         f"(only {queue._list.size()} are really free)")
+    popped.resize(n)
+    queue._list.popleft_n(<int32_t>n, popped.data())
+    ret = PyList_New(n)
     try:
         while i < n:
-            b = <KVCacheBlock>PyList_GET_ITEM(ret, i)
+            obj = queue._block_at(popped[i])
+            Py_INCREF(obj)
+            PyList_SET_ITEM(ret, i, obj)
+            b = <KVCacheBlock>obj
+            i += 1
             if _ref_cnt(b) != 0:
                 raise BlockStateError(
                     f"free block {b.block_id} has ref_cnt={b.ref_cnt}; the pool is corrupted")
@@ -811,7 +821,6 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
                                    (has_extra and _block_id(b) in cached_block_hashes_by_block)):
                 evict_cached_block(b)
             _set_ref_cnt(b, 1)
-            i += 1
     except BaseException:
         # Put every popped block back in front, in its old order, unheld.
         for j in range(i):
@@ -824,15 +833,17 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
 cdef object _LIST_REVERSEITERATOR = type(reversed([]))
 
 
-cdef list _private_list(object blocks):
-    # The native loops below call into Python (dict lookups, callbacks, the pools
-    # they forward to), so they work on a list nobody else can change. vLLM frees
-    # `reversed(list)` on every request finish: that case is copied from the
-    # iterator's list and position (its pickle state) with one C-level slice.
+cdef list _source(object blocks, Py_ssize_t* start, Py_ssize_t* step, Py_ssize_t* count):
+    # What to iterate, without copying the common cases: a list, or the list behind
+    # `reversed(list)` (vLLM frees that on every request finish; its list and
+    # position are the iterator's pickle state). Other iterables are copied once.
+    # Loops over the result re-check the index against the list's current size at
+    # every step, so a callback that changes the list cannot make them read past it.
     cdef list seq
     cdef Py_ssize_t index
     if type(blocks) is list:
-        return list(<list>blocks)
+        start[0], step[0], count[0] = 0, 1, PyList_GET_SIZE(<list>blocks)
+        return <list>blocks
     if type(blocks) is _LIST_REVERSEITERATOR:
         state = blocks.__reduce__()
         if len(state) >= 3 and type(state[1][0]) is list:
@@ -840,21 +851,28 @@ cdef list _private_list(object blocks):
             index = <Py_ssize_t>state[2]
             blocks.__setstate__(-1)  # consumed, as iterating it would leave it
             if 0 <= index < PyList_GET_SIZE(seq):
-                return seq[index::-1]
+                start[0], step[0], count[0] = index, -1, index + 1
+                return seq
+        start[0], step[0], count[0] = 0, 1, 0
         return []
-    return list(blocks)
+    seq = list(blocks)
+    start[0], step[0], count[0] = 0, 1, PyList_GET_SIZE(seq)
+    return seq
 
 
-cdef _undo_decrements(list blocks, Py_ssize_t upto, object pool):
-    # Undo the decrements of blocks[0:upto] made by pool_free_blocks; best effort
-    # (the fields were valid ints a moment ago).
-    cdef Py_ssize_t k
-    cdef KVCacheBlock b
-    for k in range(upto):
-        b = <KVCacheBlock>PyList_GET_ITEM(blocks, k)
-        if b._is_null_o == kvpool_true() or (b.pool is not None and b.pool is not pool):
-            continue
-        _set_ref_cnt(b, _ref_cnt(b) + 1)
+cdef inline object _item(list seq, Py_ssize_t i):
+    if not (0 <= i < PyList_GET_SIZE(seq)):
+        raise RuntimeError("the block list changed size while kvpool iterated it")
+    return <object>PyList_GET_ITEM(seq, i)
+
+
+cdef list _private_list(object blocks):
+    # A copy nobody else can change, for loops that call into Python per block.
+    cdef Py_ssize_t start, step, n
+    cdef list seq = _source(blocks, &start, &step, &n)
+    if step == 1:
+        return seq[start:start + n]
+    return seq[start::-1] if n else []
 
 
 def pool_free_blocks(object pool, FreeKVCacheBlockQueue queue not None,
@@ -876,25 +894,29 @@ def pool_free_blocks(object pool, FreeKVCacheBlockQueue queue not None,
             free) or a block of another pool's queue with ``pool`` unset. Nothing
             changes in this pool when anything is raised.
     """
-    cdef list blocks = _private_list(ordered_blocks)
-    cdef Py_ssize_t n = PyList_GET_SIZE(blocks), k = 0
+    cdef Py_ssize_t start, step, n, k = 0, j
+    cdef list seq = _source(ordered_blocks, &start, &step, &n)
+    cdef object obj
     cdef KVCacheBlock b
     cdef vector[int32_t] first
     cdef vector[int32_t] last
+    cdef vector[int32_t] decremented  # slots, for the rollback
+    cdef list placeholders = None
     cdef dict others = None
     cdef object bpool
     cdef long refs
     cdef int32_t capacity = queue._list.capacity()
     first.reserve(n)
+    decremented.reserve(n)
     try:
         while k < n:
-            obj = <object>PyList_GET_ITEM(blocks, k)
+            obj = _item(seq, start + k * step)
+            k += 1
             if not isinstance(obj, KVCacheBlock):
                 raise TypeError(
                     f"free_blocks() expects kvpool KVCacheBlock objects, got {type(obj).__name__}")
             b = <KVCacheBlock>obj
             if _is_null(b):
-                k += 1
                 continue
             refs = _ref_cnt(b)
             bpool = b.pool
@@ -902,7 +924,6 @@ def pool_free_blocks(object pool, FreeKVCacheBlockQueue queue not None,
                 if others is None:
                     others = {}
                 others.setdefault(bpool, []).append(b)
-                k += 1
                 continue
             if b._queue is None and refs != 1:
                 # A placeholder block no pool owns (vLLM's own tests build block
@@ -911,7 +932,9 @@ def pool_free_blocks(object pool, FreeKVCacheBlockQueue queue not None,
                 # cannot reach the free list. One that would reach 0 is refused below
                 # as foreign.
                 _set_ref_cnt(b, refs - 1)
-                k += 1
+                if placeholders is None:
+                    placeholders = []
+                placeholders.append(b)
                 continue
             if b._queue is not queue or not (0 <= b._slot < capacity):
                 raise BlockStateError(
@@ -920,14 +943,19 @@ def pool_free_blocks(object pool, FreeKVCacheBlockQueue queue not None,
                 raise BlockStateError(
                     f"free_blocks(): double free of block {b.block_id} (ref_cnt={refs})")
             _set_ref_cnt(b, refs - 1)
+            decremented.push_back(b._slot)
             if refs == 1:
                 if b._block_hash is None or not enable_caching:
                     first.push_back(b._slot)
                 else:
                     last.push_back(b._slot)
-            k += 1
     except BaseException:
-        _undo_decrements(blocks, k, pool)
+        for j in range(<Py_ssize_t>decremented.size()):
+            b = <KVCacheBlock>queue._block_at(decremented[j])
+            _set_ref_cnt(b, _ref_cnt(b) + 1)
+        if placeholders is not None:
+            for obj in placeholders:
+                _set_ref_cnt(<KVCacheBlock>obj, _ref_cnt(<KVCacheBlock>obj) + 1)
         raise
     # Every block was checked above (in range, not free, listed once per reference),
     # so these batch links cannot fail.
@@ -945,37 +973,51 @@ def pool_touch(FreeKVCacheBlockQueue queue not None, object blocks):
     Raises:
         TypeError: not a kvpool block, or a field of the wrong type.
         BlockStateError: a block with ``ref_cnt == 0`` that is not in this pool's free
-            queue. Nothing changes when raised (every block is checked before any is
-            changed; the checks run no user code).
+            queue. Nothing changes when raised: removals are undone in reverse order,
+            which puts every block back exactly where it was.
     """
-    cdef list blist = _private_list(blocks)
-    cdef Py_ssize_t n = PyList_GET_SIZE(blist), i
+    cdef Py_ssize_t start, step, n, k = 0, j
+    cdef list seq = _source(blocks, &start, &step, &n)
     cdef KVCacheBlock b
     cdef long refs
     cdef int32_t capacity = queue._list.capacity()
-    for i in range(n):
-        b = _as_block(<object>PyList_GET_ITEM(blist, i))
-        if _is_null(b):
-            continue
-        refs = _ref_cnt(b)
-        if refs == LONG_MAX:
-            raise OverflowError(f"touch(): ref_cnt of block {b.block_id} would overflow")
-        if refs == 0:
-            if b._queue is not queue or not (0 <= b._slot < capacity):
-                raise BlockStateError(
-                    f"touch(): block {b.block_id} has ref_cnt=0 but belongs to another "
-                    "pool's free queue or none")
-            if not queue._list.contains_unchecked(b._slot):
-                raise BlockStateError(
-                    f"touch(): block {b.block_id} has ref_cnt=0 but is not in the free queue")
-    for i in range(n):
-        b = <KVCacheBlock>PyList_GET_ITEM(blist, i)
-        if _is_null(b):
-            continue
-        refs = _ref_cnt(b)
-        if refs == 0:
-            queue._list.remove(b._slot)
-        _set_ref_cnt(b, refs + 1)
+    cdef int32_t prev_node, next_node
+    cdef vector[int32_t] removed  # (slot, prev node, next node) triples
+    cdef vector[Py_ssize_t] touched  # source indexes, for the rollback
+    try:
+        while k < n:
+            b = _as_block(_item(seq, start + k * step))
+            k += 1
+            if _is_null(b):
+                continue
+            refs = _ref_cnt(b)
+            if refs == LONG_MAX:
+                raise OverflowError(f"touch(): ref_cnt of block {b.block_id} would overflow")
+            if refs == 0:
+                if b._queue is not queue or not (0 <= b._slot < capacity):
+                    raise BlockStateError(
+                        f"touch(): block {b.block_id} has ref_cnt=0 but belongs to another "
+                        "pool's free queue or none")
+                if not queue._list.contains_unchecked(b._slot):
+                    raise BlockStateError(
+                        f"touch(): block {b.block_id} has ref_cnt=0 but is not in the free queue")
+                queue._list.remove_recording(b._slot, &prev_node, &next_node)
+                removed.push_back(b._slot)
+                removed.push_back(prev_node)
+                removed.push_back(next_node)
+            _set_ref_cnt(b, refs + 1)
+            touched.push_back(start + (k - 1) * step)
+    except BaseException:
+        # No user code runs in the loop above (field types are checked, not
+        # converted), so the source list is as it was.
+        for j in range(<Py_ssize_t>touched.size()):
+            b = <KVCacheBlock>_item(seq, touched[j])
+            _set_ref_cnt(b, _ref_cnt(b) - 1)
+        j = <Py_ssize_t>removed.size() - 3
+        while j >= 0:
+            queue._list.undo_remove(removed[j], removed[j + 1], removed[j + 2])
+            j -= 3
+        raise
 
 
 def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,

@@ -116,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     # The replay never touches a device; vLLM still needs to know which platform it is on.
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    wl = make_workload(args)
+    try:
+        wl = make_workload(args)
+    except (OSError, ValueError) as e:  # unreadable or malformed trace, bad ranges
+        print(f"python -m kvpool replay: error: {e}", file=sys.stderr)
+        return 2
     pool = PoolSpec(num_blocks=args.num_blocks, block_size=args.block_size)
 
     from rich.console import Console
@@ -157,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             res = driver.run_replay(wl, pool, args.modes, seed=args.seed, on_round=on_round, on_skip=on_skip)
+        except (ValueError, RuntimeError) as e:  # workload does not fit the pool, no progress
+            err.print(f"python -m kvpool replay: error: {e}")
+            return 2
         finally:
             if progress is not None:
                 progress.stop()
@@ -183,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"wall time {wall:.1f} s")
         if args.json:
             driver.write_json(args.json, out)
+            err.print(f"wrote {args.json}")
         if args.plot:
             report.plot(out, args.plot)
+            err.print(f"wrote {args.plot}")
     skipped = [m for m, r in res["modes"].items() if "skipped" in r]
     return 1 if skipped else 0

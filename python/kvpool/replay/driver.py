@@ -400,6 +400,14 @@ def run_round(scheduler, probe: _RoundProbe, workload: Workload, rnd: int, seed:
     bs = pool.block_size
     kv = scheduler.kv_cache_manager
 
+    usable = pool.num_blocks - 1  # block 0 is the null block
+    for spec in workload.round_requests(rnd):
+        need = math.ceil((spec.prompt_len + spec.output_len) / bs)
+        if need > usable:
+            raise ValueError(
+                f"round {rnd}: a request of {spec.prompt_len} prompt + {spec.output_len} output "
+                f"tokens needs {need} blocks of {bs} tokens, but the pool has {usable} usable "
+                f"blocks; raise --num-blocks or shorten the request (--scale)")
     specs_reqs = _make_requests(workload, rnd, seed, bs, max_model_len)
     target = {req.request_id: s.output_len for s, req in specs_reqs}
     salt = {req.request_id: (i * 104_729) for i, (_, req) in enumerate(specs_reqs)}
@@ -435,6 +443,7 @@ def run_round(scheduler, probe: _RoundProbe, workload: Workload, rnd: int, seed:
     step_clock = 0
     batch_queue: deque = deque()
     wall0 = time.perf_counter()
+    idle_steps = 0  # consecutive steps that scheduled nothing with nothing in flight
     while True:
         while pending and pending[0][0].arrival_step <= step_clock:
             scheduler.add_request(pending.popleft()[1])
@@ -442,6 +451,16 @@ def run_round(scheduler, probe: _RoundProbe, workload: Workload, rnd: int, seed:
             probe_before = probe.probe_cpu
             t0 = _thread_time()
             so = scheduler.schedule()
+            if so.total_num_scheduled_tokens == 0 and not batch_queue:
+                idle_steps += 1
+                if idle_steps > 1000:
+                    raise RuntimeError(
+                        f"round {rnd}: the scheduler made no progress for {idle_steps} steps "
+                        f"with {len(scheduler.waiting)} request(s) waiting; the pool "
+                        f"({pool.num_blocks} blocks of {bs} tokens) is too small for this "
+                        "round's concurrent requests. Raise --num-blocks.")
+            else:
+                idle_steps = 0
             dt = _thread_time() - t0 - (probe.probe_cpu - probe_before)
             sched_cpu += dt
             num_steps += 1

@@ -120,7 +120,6 @@ def render_tables(report: dict[str, Any], console) -> None:
         return f"{ok}/{len(xs)} ok, {sum(xs) / len(xs) * 1e6:.1f} us"
 
     row("reorder between rounds", reorder)
-    row("wall s (incl. scheduler build)", lambda m, r, c: f"{r['info']['wall_s']:.1f}")
     console.print(s)
 
 
