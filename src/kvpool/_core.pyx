@@ -1162,7 +1162,6 @@ cdef class FencedDeferredFreeQueue:
     cdef list _loose
     cdef vector[int64_t] _handles
     cdef vector[int64_t] _out
-    cdef vector[size_t] _ends
 
     def __cinit__(self):
         self._owners = []
