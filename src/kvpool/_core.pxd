@@ -12,22 +12,24 @@ cdef class KVCacheBlock:
     # (created at import, see _install_member_descriptors), the descriptor kind
     # CPython's LOAD_ATTR specialises, so a read costs what a slots-dataclass read
     # costs. Cython code reads them through the NULL-checking helpers in _core.pyx.
-    cdef PyObject* _block_id_o
+    #
+    # Field order is deliberate: the fields the native loops read for every block
+    # come first, so with the object header they share one 64-byte cache line.
     cdef PyObject* _ref_cnt_o
     cdef PyObject* _is_null_o
-    cdef public object pool
-    cdef public object _block_hash
-    cdef public object _block_hash_num_tokens
     # The native free list this block is registered in (None: not registered) and its
-    # slot there. Fake head/tail blocks use the sentinel slots below.
+    # slot there. Fake head/tail blocks use the sentinel slots HEAD_SLOT/TAIL_SLOT.
     cdef FreeKVCacheBlockQueue _queue
     cdef int32_t _slot
+    cdef public object pool
+    cdef public object _block_hash
+    cdef PyObject* _block_id_o
+    cdef public object _block_hash_num_tokens
     # Links of a block that no native queue owns (plain Python semantics).
     cdef object _prev_py
     cdef object _next_py
 
-    cdef _set_link(self, value, bint forward)
-    cdef tuple _astuple(self)
+    # (No cdef methods: a vtable pointer would push _block_hash off the first line.)
 
 
 cdef class FreeKVCacheBlockQueue:

@@ -43,6 +43,7 @@ cdef extern from "Python.h":
 cdef extern from "structmember.h":
     int T_OBJECT_EX
 
+
 cdef extern from "fastint.h":
     long kvpool_long_value(PyObject* o) except? -1
     PyObject* kvpool_true()
@@ -200,11 +201,11 @@ cdef class KVCacheBlock:
 
     @prev_free_block.setter
     def prev_free_block(self, value):
-        self._set_link(value, False)
+        _set_link(self, value, False)
 
     @prev_free_block.deleter
     def prev_free_block(self):
-        self._set_link(None, False)
+        _set_link(self, None, False)
 
     @property
     def next_free_block(self):
@@ -216,29 +217,11 @@ cdef class KVCacheBlock:
 
     @next_free_block.setter
     def next_free_block(self, value):
-        self._set_link(value, True)
+        _set_link(self, value, True)
 
     @next_free_block.deleter
     def next_free_block(self):
-        self._set_link(None, True)
-
-    cdef _set_link(self, value, bint forward):
-        if self._queue is None:
-            if forward:
-                self._next_py = value
-            else:
-                self._prev_py = value
-            return
-        if self._slot == HEAD_SLOT or self._slot == TAIL_SLOT:
-            self._queue._set_sentinel_link(self, value, forward)
-            return
-        # vLLM code (and the RFC's reorder body) clears links before rebuilding a
-        # queue; for a natively linked block that is a no-op.
-        if value is None:
-            return
-        raise AttributeError(
-            f"links of KVCacheBlock {_block_id(self)} are managed by its "
-            "kvpool FreeKVCacheBlockQueue; use the queue's methods to move it")
+        _set_link(self, None, True)
 
     @property
     def is_free(self):
@@ -261,17 +244,12 @@ cdef class KVCacheBlock:
             f"next_free_block={next_block_id})"
         )
 
-    cdef tuple _astuple(self):
-        return (self.block_id, self.ref_cnt, self._block_hash,
-                self._block_hash_num_tokens, self.prev_free_block,
-                self.next_free_block, self.is_null)
-
     def __eq__(self, other):
         if self is other:
             return True
         if type(other) is not type(self):
             return NotImplemented
-        return self._astuple() == (<KVCacheBlock>other)._astuple()
+        return _astuple(self) == _astuple(<KVCacheBlock>other)
 
     def __ne__(self, other):
         result = self.__eq__(other)
@@ -280,6 +258,31 @@ cdef class KVCacheBlock:
         return not result
 
     __hash__ = None
+
+
+cdef _set_link(KVCacheBlock self, value, bint forward):
+    if self._queue is None:
+        if forward:
+            self._next_py = value
+        else:
+            self._prev_py = value
+        return
+    if self._slot == HEAD_SLOT or self._slot == TAIL_SLOT:
+        self._queue._set_sentinel_link(self, value, forward)
+        return
+    # vLLM code (and the RFC's reorder body) clears links before rebuilding a
+    # queue; for a natively linked block that is a no-op.
+    if value is None:
+        return
+    raise AttributeError(
+        f"links of KVCacheBlock {_block_id(self)} are managed by its "
+        "kvpool FreeKVCacheBlockQueue; use the queue's methods to move it")
+
+
+cdef tuple _astuple(KVCacheBlock self):
+    return (self.block_id, self.ref_cnt, self._block_hash,
+            self._block_hash_num_tokens, self.prev_free_block,
+            self.next_free_block, self.is_null)
 
 
 # --------------------------------------------------------------------------------------
