@@ -1346,11 +1346,9 @@ cdef class FencedDeferredFreeQueue:
             yield self[i]
 
     def __eq__(self, other):
-        if isinstance(other, FencedDeferredFreeQueue):
-            return list(self) == list(other)
         try:
             return list(self) == list(other)
-        except TypeError:
+        except TypeError:  # not iterable
             return NotImplemented
 
     def __ne__(self, other):
