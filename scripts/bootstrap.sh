@@ -27,7 +27,9 @@ pip() {
   return "${PIPESTATUS[0]}"
 }
 
-stamp=".venv/.kvpool-deps-$VLLM_VERSION"
+# Re-run the dependency step when the requirement lists change, not only on a new venv.
+req_hash="$(cat requirements/*.txt | sha1sum | cut -c1-12)"
+stamp=".venv/.kvpool-deps-$VLLM_VERSION-$req_hash"
 if [ ! -f "$stamp" ]; then
   pip install -q --upgrade pip
   # torch: on the CI-class machine this resolves to the CPU wheel that lies on disk.
