@@ -251,12 +251,6 @@ cdef class KVCacheBlock:
             return NotImplemented
         return _astuple(self) == _astuple(<KVCacheBlock>other)
 
-    def __ne__(self, other):
-        result = self.__eq__(other)
-        if result is NotImplemented:
-            return result
-        return not result
-
     __hash__ = None
 
 
@@ -755,10 +749,6 @@ cdef class BlockTable:
         if isinstance(other, (list, tuple, BlockTable)):
             return list(self) == list(other)
         return NotImplemented
-
-    def __ne__(self, other):
-        result = self.__eq__(other)
-        return result if result is NotImplemented else not result
 
     __hash__ = None
 
@@ -1350,10 +1340,6 @@ cdef class FencedDeferredFreeQueue:
             return list(self) == list(other)
         except TypeError:  # not iterable
             return NotImplemented
-
-    def __ne__(self, other):
-        result = self.__eq__(other)
-        return result if result is NotImplemented else not result
 
     __hash__ = None
 
