@@ -43,6 +43,7 @@ cdef class FreeKVCacheBlockQueue:
     cdef object _lazy_pool
     cdef bint _tail_cut
     cdef vector[int32_t] _scratch
+    cdef vector[PyObject*] _ptr_scratch
     cdef readonly KVCacheBlock fake_free_list_head
     cdef readonly KVCacheBlock fake_free_list_tail
     cdef object __weakref__

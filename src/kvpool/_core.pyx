@@ -20,6 +20,7 @@ rejected call leaves ref counts and the free list exactly as they were.
 cimport cython
 from cpython.list cimport PyList_New, PyList_SET_ITEM, PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
+from cpython.object cimport Py_TYPE
 from libc.stdint cimport int32_t, int64_t
 from libcpp.vector cimport vector
 
@@ -28,6 +29,9 @@ from kvpool.kvpool_cpp cimport FreeBlockList, FencedFreeQueue
 
 cdef extern from "Python.h":
     bint _PyLong_CheckExact "PyLong_CheckExact"(PyObject* o)
+    PyObject* _PyLong_FromLong "PyLong_FromLong"(long v)
+    int _PyList_Append "PyList_Append"(object lst, PyObject* item)
+    void _PyErr_Clear "PyErr_Clear"()
     long _PyLong_AsLong "PyLong_AsLong"(PyObject* o) except? -1
     ctypedef struct PyMemberDef:
         const char* name
@@ -48,7 +52,22 @@ cdef extern from "fastint.h":
     long kvpool_long_value(PyObject* o) except? -1
     PyObject* kvpool_true()
     PyObject* kvpool_false()
+    PyObject* kvpool_none()
     bint kvpool_is_int(PyObject* o)
+    PyObject** kvpool_list_items(PyObject* lst)
+    int KVPOOL_SI_MAX
+    int KVPOOL_BATCHED
+    int kvpool_si_init()
+    long kvpool_si_value(PyObject* p)
+    bint kvpool_long_read(PyObject* p, long* out)
+    bint kvpool_si_enabled()
+    PyObject* kvpool_si_obj(long v)
+    ctypedef struct kvpool_refbatch:
+        Py_ssize_t d[8]
+    void kvpool_refbatch_init(kvpool_refbatch* rb)
+    void kvpool_refbatch_flush(kvpool_refbatch* rb)
+    void Py_INCREF_ptr "Py_INCREF"(PyObject* o)
+    void Py_DECREF_ptr "Py_DECREF"(PyObject* o)
 
 from operator import index as _index
 from libc.limits cimport LONG_MAX
@@ -73,7 +92,7 @@ cdef inline long _ref_cnt(KVCacheBlock b) except? -1:
     if p is NULL:
         raise AttributeError(f"KVCacheBlock has no ref_cnt (it was deleted)")
     if not kvpool_is_int(p):
-        raise TypeError(f"ref_cnt must be an int, got {type(<object>p).__name__}")
+        raise TypeError(f"ref_cnt must be an int, got {_type_name(p)}")
     return kvpool_long_value(p)
 
 
@@ -98,11 +117,162 @@ cdef inline bint _is_null(KVCacheBlock b) except -1:
         return 1
     if p is NULL:
         raise AttributeError("KVCacheBlock has no is_null (it was deleted)")
-    raise TypeError(f"is_null must be a bool, got {type(<object>p).__name__}")
+    raise TypeError(f"is_null must be a bool, got {_type_name(p)}")
 
 
 cdef inline object _block_id(KVCacheBlock b):
     return None if b._block_id_o is NULL else <object>b._block_id_o
+
+
+# -- the hot loops' field access: borrowed block pointers, batched small-int refcounts -----
+# The per-block loops below read blocks through borrowed PyObject* (no reference-count
+# traffic on the block objects) and recognise ref_cnt values by the address of the
+# interpreter's cached small ints (fastint.h). They never run Python code while they
+# hold such pointers: fields are type-checked, never converted, and nothing that
+# could start a garbage collection is allocated inside them.
+if not kvpool_si_init():  # pragma: no cover - every CPython checked has the array
+    import warnings
+    warnings.warn("kvpool: small-int fast path unavailable on this interpreter; "
+                  "block loops use the checked slow path", RuntimeWarning)
+
+# Old ref_cnt objects that are not exact ints (an int subclass could run __del__) are
+# parked here while a loop runs and released after it.
+cdef list _GRAVEYARD = []
+
+
+cdef inline long _ref_cnt_of(PyObject* o) except? -1:
+    # o: a KVCacheBlock (borrowed). Raises like _ref_cnt for a bad field.
+    cdef long v = kvpool_si_value((<KVCacheBlock>o)._ref_cnt_o)
+    if v >= 0:
+        return v
+    return _ref_cnt(<KVCacheBlock>o)
+
+
+# Error codes of the free/touch loops. Those loops never raise while they run: they
+# stop at the first bad block, undo what they did, and only then build the exception
+# (building one allocates, and an allocation may start a garbage collection that runs
+# Python code, which could change the caller's list under a borrowed pointer).
+cdef enum:
+    E_NONE = 0
+    E_NOT_BLOCK = 1       # not a kvpool KVCacheBlock
+    E_NULL_FIELD = 2      # is_null missing or not a bool
+    E_REF_FIELD = 3       # ref_cnt missing, not an int, or beyond a C long
+    E_NOT_OURS = 4        # free_blocks: a block of another pool's queue
+    E_DOUBLE_FREE = 5
+    E_OVERFLOW = 6
+    E_NO_MEMORY = 7
+    E_TOUCH_FOREIGN = 8   # touch: ref_cnt 0 but not of this queue
+    E_TOUCH_NOT_FREE = 9  # touch: ref_cnt 0 but not in the free queue
+
+
+cdef inline int _null_state(PyObject* o):
+    # 0 or 1; -1 when is_null is missing or not a bool. Never raises.
+    cdef PyObject* p = (<KVCacheBlock>o)._is_null_o
+    if p == kvpool_false():
+        return 0
+    if p == kvpool_true():
+        return 1
+    return -1
+
+
+cdef inline bint _read_refs(PyObject* o, long* out):
+    # ref_cnt into out; False when it is missing, not an int or beyond a C long.
+    # Never raises and runs no Python code (an int subclass's value is read as is).
+    cdef PyObject* p = (<KVCacheBlock>o)._ref_cnt_o
+    cdef long v = kvpool_si_value(p)
+    if v >= 0:
+        out[0] = v
+        return True
+    if p is NULL or not kvpool_is_int(p):
+        return False
+    return kvpool_long_read(p, out)
+
+
+cdef inline void _release_ref_cnt(PyObject* old):
+    # Drop a replaced ref_cnt object. An exact int's deallocation runs no Python code;
+    # anything else (an int subclass could have __del__) is parked until _flush.
+    if old is NULL:
+        return
+    if not _PyLong_CheckExact(old) and _PyList_Append(_GRAVEYARD, old) != 0:
+        _PyErr_Clear()  # no memory to park it: release it now
+    Py_DECREF_ptr(old)
+
+
+cdef inline int _put_refs(PyObject* o, long value, kvpool_refbatch* rb):
+    """Set the ref_cnt of block ``o`` (borrowed) to ``value``. Refcount updates of the
+    ints 0..7 go to ``rb`` (flushed by the caller). Never raises: returns E_NONE,
+    E_OVERFLOW or E_NO_MEMORY (nothing changed then)."""
+    cdef PyObject* old = (<KVCacheBlock>o)._ref_cnt_o
+    cdef PyObject* new
+    cdef long old_value
+    if 0 <= value <= KVPOOL_SI_MAX and kvpool_si_enabled():
+        new = kvpool_si_obj(value)
+        if value < KVPOOL_BATCHED:
+            rb.d[value] += 1
+        else:
+            Py_INCREF_ptr(new)
+    else:
+        if value == LONG_MAX:
+            return E_OVERFLOW
+        new = _PyLong_FromLong(value)  # a new reference
+        if new is NULL:
+            _PyErr_Clear()
+            return E_NO_MEMORY
+    (<KVCacheBlock>o)._ref_cnt_o = new
+    old_value = kvpool_si_value(old)
+    if 0 <= old_value < KVPOOL_BATCHED:
+        rb.d[old_value] -= 1
+    else:
+        _release_ref_cnt(old)
+    return E_NONE
+
+
+cdef int _raise_loop_error(int err, object blk, str op, long refs) except -1:
+    """Raise the exception for a free/touch loop's error code (after its undo)."""
+    cdef PyObject* o = <PyObject*>blk
+    if err == E_NOT_BLOCK:
+        raise TypeError(f"{op}() expects kvpool KVCacheBlock objects, got {_type_name(o)}")
+    if err == E_NULL_FIELD:
+        _is_null(<KVCacheBlock>blk)  # raises AttributeError / TypeError
+    elif err == E_REF_FIELD:
+        _ref_cnt(<KVCacheBlock>blk)  # raises AttributeError / TypeError / OverflowError
+    elif err == E_NOT_OURS:
+        raise BlockStateError(f"{op}(): block {_id_text(o)} does not belong to this pool")
+    elif err == E_DOUBLE_FREE:
+        raise BlockStateError(f"{op}(): double free of block {_id_text(o)} (ref_cnt={refs})")
+    elif err == E_OVERFLOW:
+        raise OverflowError(f"{op}(): ref_cnt of block {_id_text(o)} would overflow")
+    elif err == E_NO_MEMORY:
+        raise MemoryError(f"{op}(): no memory for the ref_cnt of block {_id_text(o)}")
+    elif err == E_TOUCH_FOREIGN:
+        raise BlockStateError(
+            f"{op}(): block {_id_text(o)} has ref_cnt=0 but belongs to another pool's "
+            "free queue or none")
+    elif err == E_TOUCH_NOT_FREE:
+        raise BlockStateError(
+            f"{op}(): block {_id_text(o)} has ref_cnt=0 but is not in the free queue")
+    raise RuntimeError(f"{op}(): block {_id_text(o)} is in an inconsistent state (error {err})")
+
+
+cdef str _id_text(PyObject* o):
+    # A block's id for an error message, without running Python code (a block_id
+    # that is not an exact int could format itself by calling back into Python).
+    cdef PyObject* p = (<KVCacheBlock>o)._block_id_o
+    if p is NULL:
+        return "<no block_id>"
+    if _PyLong_CheckExact(p):
+        return str(<object>p)
+    return f"<{_type_name(p)} object>"
+
+
+cdef str _type_name(PyObject* p):
+    return (<bytes>Py_TYPE(<object>p).tp_name).decode("utf-8", "replace")
+
+
+cdef inline void _flush(kvpool_refbatch* rb):
+    kvpool_refbatch_flush(rb)
+    if PyList_GET_SIZE(_GRAVEYARD):
+        del _GRAVEYARD[:]
 
 
 class BlockStateError(ValueError, RuntimeError):
@@ -786,10 +956,15 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     """
     cdef Py_ssize_t n = _index(num_blocks), i = 0, j
     cdef list ret
-    cdef object obj
-    cdef KVCacheBlock b
+    cdef PyObject* o
+    cdef PyObject** table
+    cdef PyObject* none = kvpool_none()
     cdef bint has_extra = bool(cached_block_hashes_by_block)
     cdef vector[int32_t] popped
+    cdef kvpool_refbatch rb
+    cdef Py_ssize_t n01 = 0
+    cdef PyObject* zero = kvpool_si_obj(0)
+    cdef PyObject* one = kvpool_si_obj(1)
     if n < 0:
         raise ValueError(f"cannot get a negative number of blocks ({n})")
     if n > queue._list.size() + queue._count_offset:
@@ -798,28 +973,55 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
         raise ValueError(f"Cannot get {n} free blocks from the pool "
                          f"(only {queue._list.size()} are really free)")
     popped.resize(n)
+    ret = PyList_New(n)  # items not yet set are NULL; nothing outside sees the list
     queue._list.popleft_n(<int32_t>n, popped.data())
-    ret = PyList_New(n)
+    kvpool_refbatch_init(&rb)
+    table = kvpool_list_items(<PyObject*>queue._blocks)
     try:
         while i < n:
-            obj = queue._block_at(popped[i])
-            Py_INCREF(obj)
-            PyList_SET_ITEM(ret, i, obj)
-            b = <KVCacheBlock>obj
+            o = table[popped[i]]
+            if o == none:
+                rb.d[0] -= n01  # a creation may run Python code (gc): settle counts
+                rb.d[1] += n01
+                n01 = 0
+                kvpool_refbatch_flush(&rb)
+                queue._block_at(popped[i])  # creates it in the table
+                table = kvpool_list_items(<PyObject*>queue._blocks)
+                o = table[popped[i]]
+                if not isinstance(<object>o, KVCacheBlock):
+                    raise BlockStateError(f"free slot {popped[i]} holds no block; the pool is corrupted")
+            Py_INCREF_ptr(o)
+            kvpool_list_items(<PyObject*>ret)[i] = o
             i += 1
-            if _ref_cnt(b) != 0:
+            if (<KVCacheBlock>o)._ref_cnt_o != zero and _ref_cnt_of(o) != 0:
                 raise BlockStateError(
-                    f"free block {b.block_id} has ref_cnt={b.ref_cnt}; the pool is corrupted")
-            if enable_caching and (b._block_hash is not None or
-                                   (has_extra and _block_id(b) in cached_block_hashes_by_block)):
-                evict_cached_block(b)
-            _set_ref_cnt(b, 1)
+                    f"free block {_id_text(o)} has ref_cnt={_ref_cnt_of(o)}; "
+                    "the pool is corrupted")
+            if enable_caching and (<PyObject*>(<KVCacheBlock>o)._block_hash != none or (
+                    has_extra and _block_id(<KVCacheBlock>o) in cached_block_hashes_by_block)):
+                rb.d[0] -= n01
+                rb.d[1] += n01
+                n01 = 0
+                kvpool_refbatch_flush(&rb)
+                evict_cached_block(<object>o)
+                table = kvpool_list_items(<PyObject*>queue._blocks)
+            if (<KVCacheBlock>o)._ref_cnt_o == zero:
+                (<KVCacheBlock>o)._ref_cnt_o = one  # the common case, counted in n01
+                n01 += 1
+            elif _put_refs(o, 1, &rb) != E_NONE:
+                raise MemoryError("get_new_blocks(): no memory for a ref_cnt")
     except BaseException:
+        rb.d[0] -= n01
+        rb.d[1] += n01
+        _flush(&rb)
         # Put every popped block back in front, in its old order, unheld.
         for j in range(i):
             _store(&(<KVCacheBlock>PyList_GET_ITEM(ret, j))._ref_cnt_o, 0)
         queue._list.prepend_n_unchecked(popped.data(), <int32_t>n)
         raise
+    rb.d[0] -= n01
+    rb.d[1] += n01
+    _flush(&rb)
     return ret
 
 
@@ -887,75 +1089,146 @@ def pool_free_blocks(object pool, FreeKVCacheBlockQueue queue not None,
             free) or a block of another pool's queue with ``pool`` unset. Nothing
             changes in this pool when anything is raised.
     """
-    cdef Py_ssize_t start, step, n, k = 0, j
+    cdef Py_ssize_t start, step, n
     cdef list seq = _source(ordered_blocks, &start, &step, &n)
-    cdef object obj
-    cdef KVCacheBlock b
-    cdef vector[int32_t] first
-    cdef vector[int32_t] last
-    cdef vector[int32_t] decremented  # slots, for the rollback
-    cdef list placeholders = None
-    cdef dict others = None
-    cdef object bpool
-    cdef long refs
+    if n == 0:
+        return None
+    return _free_core(pool, queue, kvpool_list_items(<PyObject*>seq) + start, n, step,
+                      enable_caching)
+
+
+cdef object _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
+                       Py_ssize_t n, Py_ssize_t step, bint enable_caching):
+    # The loop of pool_free_blocks over items[0], items[step], ... (n of them, borrowed
+    # references the caller keeps alive). No Python code runs and nothing that could
+    # start a garbage collection is allocated until the loop and its undo are done, so
+    # the items cannot change under it.
+    cdef Py_ssize_t k = 0, j, nfirst = 0, nlast = 0, nforeign = 0, n10 = 0
+    cdef PyObject* o
+    cdef PyObject* p
+    cdef PyObject* none = kvpool_none()
+    cdef PyObject* true_ = kvpool_true()
+    cdef PyObject* false_ = kvpool_false()
+    cdef PyObject* zero = kvpool_si_obj(0)
+    cdef PyObject* one = kvpool_si_obj(1)
+    cdef long refs = 0, bad_refs = 0
+    cdef int32_t slot
     cdef int32_t capacity = queue._list.capacity()
-    first.reserve(n)
-    decremented.reserve(n)
-    try:
-        while k < n:
-            obj = _item(seq, start + k * step)
+    cdef int err = E_NONE
+    cdef int32_t* first
+    cdef int32_t* last
+    cdef PyObject** foreign
+    cdef kvpool_refbatch rb
+    cdef object culprit
+    cdef list blocks
+    cdef dict others
+    # Scratch space of the queue (no allocation per call once it has grown).
+    queue._scratch.resize(2 * n)
+    first = queue._scratch.data()
+    last = first + n
+    queue._ptr_scratch.resize(n)
+    foreign = queue._ptr_scratch.data()
+    kvpool_refbatch_init(&rb)
+    while k < n:
+        o = items[k * step]
+        if not isinstance(<object>o, KVCacheBlock):
+            err = E_NOT_BLOCK
+            break
+        p = (<KVCacheBlock>o)._is_null_o
+        if p != false_:
+            if p == true_:
+                k += 1
+                continue
+            err = E_NULL_FIELD
+            break
+        p = (<KVCacheBlock>o)._ref_cnt_o
+        if p == one:
+            refs = 1
+        elif not _read_refs(o, &refs):
+            err = E_REF_FIELD
+            break
+        if (<PyObject*>(<KVCacheBlock>o).pool != none
+                and <PyObject*>(<KVCacheBlock>o).pool != <PyObject*>pool):
+            foreign[nforeign] = o  # forwarded to its own pool after the loop
+            nforeign += 1
             k += 1
-            if not isinstance(obj, KVCacheBlock):
-                raise TypeError(
-                    f"free_blocks() expects kvpool KVCacheBlock objects, got {type(obj).__name__}")
-            b = <KVCacheBlock>obj
-            if _is_null(b):
+            continue
+        if (<KVCacheBlock>o)._queue is None and refs != 1:
+            # A placeholder block no pool owns (vLLM's own tests build block tables
+            # of bare KVCacheBlock(id)): vLLM decrements its ref_cnt and, as it does
+            # not reach 0, never links it anywhere. Do the same; it cannot reach the
+            # free list. One that would reach 0 is refused below as foreign.
+            err = _put_refs(o, refs - 1, &rb)
+            if err != E_NONE:
+                break
+            k += 1
+            continue
+        slot = (<KVCacheBlock>o)._slot
+        if (<PyObject*>(<KVCacheBlock>o)._queue != <PyObject*>queue
+                or not (0 <= slot < capacity)):
+            err = E_NOT_OURS
+            break
+        if refs <= 0 or queue._list.contains_unchecked(slot):
+            err = E_DOUBLE_FREE
+            break
+        if p == one:
+            (<KVCacheBlock>o)._ref_cnt_o = zero  # the common case, counted in n10
+            n10 += 1
+        else:
+            err = _put_refs(o, refs - 1, &rb)
+            if err != E_NONE:
+                break
+        if refs == 1:
+            if not enable_caching or <PyObject*>(<KVCacheBlock>o)._block_hash == none:
+                first[nfirst] = slot
+                nfirst += 1
+            else:
+                last[nlast] = slot
+                nlast += 1
+        k += 1
+    rb.d[1] -= n10
+    rb.d[0] += n10
+    if err != E_NONE:
+        bad_refs = refs
+        # Undo: every block before items[k] that is neither null nor another pool's
+        # was decremented once per occurrence. Nothing was linked yet.
+        for j in range(k):
+            o = items[j * step]
+            if _null_state(o) == 1:
                 continue
-            refs = _ref_cnt(b)
-            bpool = b.pool
-            if bpool is not None and bpool is not pool:
-                if others is None:
-                    others = {}
-                others.setdefault(bpool, []).append(b)
+            if (<PyObject*>(<KVCacheBlock>o).pool != none
+                    and <PyObject*>(<KVCacheBlock>o).pool != <PyObject*>pool):
                 continue
-            if b._queue is None and refs != 1:
-                # A placeholder block no pool owns (vLLM's own tests build block
-                # tables of bare KVCacheBlock(id)): vLLM decrements its ref_cnt and,
-                # as it does not reach 0, never links it anywhere. Do the same; it
-                # cannot reach the free list. One that would reach 0 is refused below
-                # as foreign.
-                _set_ref_cnt(b, refs - 1)
-                if placeholders is None:
-                    placeholders = []
-                placeholders.append(b)
-                continue
-            if b._queue is not queue or not (0 <= b._slot < capacity):
-                raise BlockStateError(
-                    f"free_blocks(): block {b.block_id} does not belong to this pool")
-            if refs <= 0 or queue._list.contains_unchecked(b._slot):
-                raise BlockStateError(
-                    f"free_blocks(): double free of block {b.block_id} (ref_cnt={refs})")
-            _set_ref_cnt(b, refs - 1)
-            decremented.push_back(b._slot)
-            if refs == 1:
-                if b._block_hash is None or not enable_caching:
-                    first.push_back(b._slot)
-                else:
-                    last.push_back(b._slot)
-    except BaseException:
-        for j in range(<Py_ssize_t>decremented.size()):
-            b = <KVCacheBlock>queue._block_at(decremented[j])
-            _set_ref_cnt(b, _ref_cnt(b) + 1)
-        if placeholders is not None:
-            for obj in placeholders:
-                _set_ref_cnt(<KVCacheBlock>obj, _ref_cnt(<KVCacheBlock>obj) + 1)
-        raise
+            _read_refs(o, &refs)
+            _put_refs(o, refs + 1, &rb)  # restores the value it had (cannot overflow)
+        culprit = <object>items[k * step]
+        _flush(&rb)
+        _raise_loop_error(err, culprit, "free_blocks", bad_refs)
     # Every block was checked above (in range, not free, listed once per reference),
     # so these batch links cannot fail.
-    if first.size():
-        queue._list.prepend_n_unchecked(first.data(), <int32_t>first.size())
-    if last.size():
-        queue._list.append_n_unchecked(last.data(), <int32_t>last.size())
+    if nfirst:
+        queue._list.prepend_n_unchecked(first, <int32_t>nfirst)
+    if nlast:
+        queue._list.append_n_unchecked(last, <int32_t>nlast)
+    if nforeign == 0:
+        _flush(&rb)
+        return None
+    # Own the forwarded blocks before anything (an allocation) can run Python code.
+    for j in range(nforeign):
+        Py_INCREF_ptr(foreign[j])
+    try:
+        blocks = PyList_New(nforeign)
+    except BaseException:
+        for j in range(nforeign):
+            Py_DECREF_ptr(foreign[j])
+        _flush(&rb)
+        raise
+    for j in range(nforeign):
+        kvpool_list_items(<PyObject*>blocks)[j] = foreign[j]  # the list takes the reference
+    _flush(&rb)
+    others = {}
+    for obj in blocks:
+        others.setdefault((<KVCacheBlock>obj).pool, []).append(obj)
     return others
 
 
@@ -969,48 +1242,91 @@ def pool_touch(FreeKVCacheBlockQueue queue not None, object blocks):
             queue. Nothing changes when raised: removals are undone in reverse order,
             which puts every block back exactly where it was.
     """
-    cdef Py_ssize_t start, step, n, k = 0, j
+    cdef Py_ssize_t start, step, n, k = 0, j, n01 = 0, nremoved = 0
     cdef list seq = _source(blocks, &start, &step, &n)
-    cdef KVCacheBlock b
-    cdef long refs
+    cdef PyObject** items = kvpool_list_items(<PyObject*>seq) + start
+    cdef PyObject* o
+    cdef PyObject* p
+    cdef PyObject* true_ = kvpool_true()
+    cdef PyObject* false_ = kvpool_false()
+    cdef PyObject* zero = kvpool_si_obj(0)
+    cdef PyObject* one = kvpool_si_obj(1)
+    cdef long refs = 0
+    cdef int32_t slot
     cdef int32_t capacity = queue._list.capacity()
-    cdef int32_t prev_node, next_node
-    cdef vector[int32_t] removed  # (slot, prev node, next node) triples
-    cdef vector[Py_ssize_t] touched  # source indexes, for the rollback
-    try:
-        while k < n:
-            b = _as_block(_item(seq, start + k * step))
-            k += 1
-            if _is_null(b):
+    cdef int err = E_NONE
+    cdef int32_t* removed  # (slot, prev node, next node) triples, for the undo
+    cdef kvpool_refbatch rb
+    cdef object culprit
+    if n == 0:
+        return
+    queue._scratch.resize(3 * n)
+    removed = queue._scratch.data()
+    kvpool_refbatch_init(&rb)
+    # No Python code runs in this loop or its undo (field types are checked, not
+    # converted; nothing is allocated that could start a garbage collection), so
+    # `items` stays valid.
+    while k < n:
+        o = items[k * step]
+        if not isinstance(<object>o, KVCacheBlock):
+            err = E_NOT_BLOCK
+            break
+        p = (<KVCacheBlock>o)._is_null_o
+        if p != false_:
+            if p == true_:
+                k += 1
                 continue
-            refs = _ref_cnt(b)
-            if refs == LONG_MAX:
-                raise OverflowError(f"touch(): ref_cnt of block {b.block_id} would overflow")
-            if refs == 0:
-                if b._queue is not queue or not (0 <= b._slot < capacity):
-                    raise BlockStateError(
-                        f"touch(): block {b.block_id} has ref_cnt=0 but belongs to another "
-                        "pool's free queue or none")
-                if not queue._list.contains_unchecked(b._slot):
-                    raise BlockStateError(
-                        f"touch(): block {b.block_id} has ref_cnt=0 but is not in the free queue")
-                queue._list.remove_recording(b._slot, &prev_node, &next_node)
-                removed.push_back(b._slot)
-                removed.push_back(prev_node)
-                removed.push_back(next_node)
-            _set_ref_cnt(b, refs + 1)
-            touched.push_back(start + (k - 1) * step)
-    except BaseException:
-        # No user code runs in the loop above (field types are checked, not
-        # converted), so the source list is as it was.
-        for j in range(<Py_ssize_t>touched.size()):
-            b = <KVCacheBlock>_item(seq, touched[j])
-            _set_ref_cnt(b, _ref_cnt(b) - 1)
-        j = <Py_ssize_t>removed.size() - 3
+            err = E_NULL_FIELD
+            break
+        p = (<KVCacheBlock>o)._ref_cnt_o
+        if p == zero:
+            refs = 0
+        elif not _read_refs(o, &refs):
+            err = E_REF_FIELD
+            break
+        if refs == 0:
+            slot = (<KVCacheBlock>o)._slot
+            if (<PyObject*>(<KVCacheBlock>o)._queue != <PyObject*>queue
+                    or not (0 <= slot < capacity)):
+                err = E_TOUCH_FOREIGN
+                break
+            if not queue._list.contains_unchecked(slot):
+                err = E_TOUCH_NOT_FREE
+                break
+            removed[3 * nremoved] = slot
+            queue._list.remove_recording(slot, &removed[3 * nremoved + 1], &removed[3 * nremoved + 2])
+            nremoved += 1
+            if p == zero:
+                (<KVCacheBlock>o)._ref_cnt_o = one  # the common case, counted in n01
+                n01 += 1
+                k += 1
+                continue
+        if refs == LONG_MAX:
+            err = E_OVERFLOW
+            break
+        err = _put_refs(o, refs + 1, &rb)  # (a recorded removal is undone below)
+        if err != E_NONE:
+            break
+        k += 1
+    rb.d[0] -= n01
+    rb.d[1] += n01
+    if err != E_NONE:
+        # Blocks items[0 .. k-1] (null blocks excepted) were incremented once per
+        # occurrence; removals are undone in reverse order.
+        for j in range(k):
+            o = items[j * step]
+            if _null_state(o) == 1:
+                continue
+            _read_refs(o, &refs)
+            _put_refs(o, refs - 1, &rb)
+        j = nremoved - 1
         while j >= 0:
-            queue._list.undo_remove(removed[j], removed[j + 1], removed[j + 2])
-            j -= 3
-        raise
+            queue._list.undo_remove(removed[3 * j], removed[3 * j + 1], removed[3 * j + 2])
+            j -= 1
+        culprit = <object>items[k * step]
+        _flush(&rb)
+        _raise_loop_error(err, culprit, "touch", 0)
+    _flush(&rb)
 
 
 def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,
