@@ -86,6 +86,9 @@ class FreeBlockList {
   }
   // contains() without the range check; `slot` must be in [0, capacity).
   bool contains_unchecked(int32_t slot) const { return prev_[slot + kFirst] >= 0; }
+  // Per slot, a value >= 0 exactly when the slot is free (its prev link): for loops
+  // that test many slots. Valid until the capacity changes (grow).
+  const int32_t* free_marks() const { return prev_.data() + kFirst; }
 
   // Add `extra` slots (not free) at the end of the slot range.
   void grow(int32_t extra);

@@ -22,7 +22,7 @@ eviction order that reaches the pool is the same either way.
 
 from __future__ import annotations
 
-from kvpool._core import FencedDeferredFreeQueue
+from kvpool._core import FencedDeferredFreeQueue, FreeKVCacheBlockQueue
 
 
 def pop_blocks_for_free(self, request_id: str) -> list:
@@ -45,6 +45,22 @@ def pop_blocks_for_free(self, request_id: str) -> list:
 
 def _is_native(queue) -> bool:
     return type(queue) is FencedDeferredFreeQueue
+
+
+_native_free_blocks = None
+
+
+def _frees_natively(pool) -> bool:
+    # kvpool's BlockPool.free_blocks, not overridden (a subclass's override must see
+    # every call), on kvpool's queue.
+    global _native_free_blocks
+    if _native_free_blocks is None:
+        from kvpool.block_pool import BlockPool
+
+        _native_free_blocks = BlockPool.free_blocks
+    return getattr(type(pool), "free_blocks", None) is _native_free_blocks and isinstance(
+        getattr(pool, "free_block_queue", None), FreeKVCacheBlockQueue
+    )
 
 
 def _free_request_blocks(self, request) -> None:
@@ -77,14 +93,22 @@ def _free_cow_retained_blocks(self, blocks: list, fence_seq: int) -> None:
 
 def _drain_deferred_frees(self) -> None:
     """Return deferred blocks whose fence step has been processed, oldest first,
-    stopping at the first unmet fence (``Scheduler._drain_deferred_frees``)."""
+    stopping at the first unmet fence (``Scheduler._drain_deferred_frees``).
+
+    With kvpool's pool (whose ``free_blocks`` no subclass overrides) the entries are
+    freed natively from their block handles (:meth:`FencedDeferredFreeQueue.free_ready`);
+    otherwise each drained entry goes through the pool's ``free_blocks``."""
     queue = self.deferred_frees
-    free_blocks = self.kv_cache_manager.block_pool.free_blocks
+    pool = self.kv_cache_manager.block_pool
     if _is_native(queue):
         if queue:
-            for blocks in queue.drain(self.processed_step_seq):
-                free_blocks(blocks)
+            if _frees_natively(pool):
+                queue.free_ready(self.processed_step_seq, pool)
+            else:
+                for blocks in queue.drain(self.processed_step_seq):
+                    pool.free_blocks(blocks)
         return
+    free_blocks = pool.free_blocks
     while queue:
         fence, _ = queue[0]
         if fence > self.processed_step_seq:

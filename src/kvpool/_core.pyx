@@ -21,7 +21,7 @@ cimport cython
 from cpython.list cimport PyList_New, PyList_SET_ITEM, PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from cpython.object cimport Py_TYPE
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint32_t
 from libcpp.vector cimport vector
 
 from kvpool.kvpool_cpp cimport FreeBlockList, FencedFreeQueue
@@ -60,6 +60,7 @@ cdef extern from "fastint.h":
     int kvpool_si_init()
     long kvpool_si_value(PyObject* p)
     bint kvpool_long_read(PyObject* p, long* out)
+    void kvpool_prefetch_block(const void* p)
     bint kvpool_si_enabled()
     PyObject* kvpool_si_obj(long v)
     ctypedef struct kvpool_refbatch:
@@ -163,6 +164,8 @@ cdef enum:
     E_NO_MEMORY = 7
     E_TOUCH_FOREIGN = 8   # touch: ref_cnt 0 but not of this queue
     E_TOUCH_NOT_FREE = 9  # touch: ref_cnt 0 but not in the free queue
+    E_TAKEN_OVER = 10     # a deferred block was taken over by another queue
+    E_CORRUPT_HANDLE = 11 # a deferred-free handle names no table entry
 
 
 cdef inline int _null_state(PyObject* o):
@@ -230,6 +233,11 @@ cdef inline int _put_refs(PyObject* o, long value, kvpool_refbatch* rb):
 cdef int _raise_loop_error(int err, object blk, str op, long refs) except -1:
     """Raise the exception for a free/touch loop's error code (after its undo)."""
     cdef PyObject* o = <PyObject*>blk
+    if err == E_TAKEN_OVER:
+        raise BlockStateError(
+            "a deferred block was taken over by another free queue before its fence")
+    if err == E_CORRUPT_HANDLE:
+        raise RuntimeError("corrupt deferred-free handle")
     if err == E_NOT_BLOCK:
         raise TypeError(f"{op}() expects kvpool KVCacheBlock objects, got {_type_name(o)}")
     if err == E_NULL_FIELD:
@@ -1070,6 +1078,50 @@ cdef list _private_list(object blocks):
     return seq[start::-1] if n else []
 
 
+cdef struct HandleTable:
+    # The table of the last owner seen while resolving deferred-free handles.
+    int64_t current          # owner index, -1: none yet
+    PyObject* owner_queue    # its FreeKVCacheBlockQueue; NULL for loose objects
+    PyObject** items
+    Py_ssize_t size
+
+
+cdef inline PyObject* _handle_to_block(FencedDeferredFreeQueue deferred, int64_t handle,
+                                       HandleTable* t, int* err):
+    """The block a deferred-free handle names (borrowed: the owner queue's table or
+    ``deferred._loose`` holds it), or NULL with ``err`` set (E_CORRUPT_HANDLE, or
+    E_TAKEN_OVER when the block moved to another queue after it was queued). Never
+    raises."""
+    cdef int64_t owner = handle >> 32
+    cdef int64_t slot = <int64_t><uint32_t>handle
+    cdef PyObject* table
+    cdef PyObject* obj
+    if owner != t.current:
+        if owner == _LOOSE_OWNER:
+            table = <PyObject*>deferred._loose
+            t.owner_queue = NULL
+        elif 0 <= owner < PyList_GET_SIZE(deferred._owners):
+            t.owner_queue = PyList_GET_ITEM(deferred._owners, owner)
+            table = <PyObject*>(<FreeKVCacheBlockQueue>t.owner_queue)._blocks
+        else:
+            err[0] = E_CORRUPT_HANDLE
+            return NULL
+        t.items = kvpool_list_items(table)
+        t.size = PyList_GET_SIZE(<object>table)
+        t.current = owner
+    if not (0 <= slot < t.size):
+        err[0] = E_CORRUPT_HANDLE
+        return NULL
+    obj = t.items[slot]
+    if t.owner_queue is not NULL and (
+            not isinstance(<object>obj, KVCacheBlock)
+            or <PyObject*>(<KVCacheBlock>obj)._queue != t.owner_queue
+            or (<KVCacheBlock>obj)._slot != slot):
+        err[0] = E_TAKEN_OVER
+        return NULL
+    return obj
+
+
 def pool_free_blocks(object pool, FreeKVCacheBlockQueue queue not None,
                      object ordered_blocks, bint enable_caching):
     """``BlockPool.free_blocks``: decrement ``ref_cnt``; blocks reaching 0 go to the
@@ -1094,27 +1146,89 @@ def pool_free_blocks(object pool, FreeKVCacheBlockQueue queue not None,
     if n == 0:
         return None
     return _free_core(pool, queue, kvpool_list_items(<PyObject*>seq) + start, n, step,
-                      enable_caching)
+                      enable_caching, None, NULL)
+
+
+# What the free loop does with one block (the general case, _free_one).
+cdef enum:
+    A_SKIP = 0        # a null block
+    A_FOREIGN = 1     # another pool's block: forwarded to it after the loop
+    A_HELD = 2        # decremented, still held (or a placeholder no pool owns)
+    A_FIRST = 3       # reached 0: to the front of the free queue
+    A_LAST = 4        # reached 0, hashed: to the tail (LRU)
+
+
+cdef int _free_one(PyObject* o, PyObject* pool, FreeKVCacheBlockQueue queue,
+                   bint enable_caching, kvpool_refbatch* rb, long* refs_out):
+    # The general case of one block of the free loop (the loop inlines the common
+    # one): returns an A_* action, or -E_* with nothing changed for this block.
+    # Never raises and runs no Python code.
+    cdef PyObject* p
+    cdef long refs
+    cdef int32_t slot
+    cdef int err
+    if not isinstance(<object>o, KVCacheBlock):
+        return -E_NOT_BLOCK
+    p = (<KVCacheBlock>o)._is_null_o
+    if p != kvpool_false():
+        return A_SKIP if p == kvpool_true() else -E_NULL_FIELD
+    if not _read_refs(o, &refs):
+        return -E_REF_FIELD
+    refs_out[0] = refs
+    p = <PyObject*>(<KVCacheBlock>o).pool
+    if p != kvpool_none() and p != pool:
+        return A_FOREIGN
+    if (<KVCacheBlock>o)._queue is None and refs != 1:
+        # A placeholder block no pool owns (vLLM's own tests build block tables of
+        # bare KVCacheBlock(id)): vLLM decrements its ref_cnt and, as it does not
+        # reach 0, never links it anywhere. Do the same; it cannot reach the free
+        # list. One that would reach 0 is refused below as foreign.
+        err = _put_refs(o, refs - 1, rb)
+        return -err if err != E_NONE else A_HELD
+    slot = (<KVCacheBlock>o)._slot
+    if (<PyObject*>(<KVCacheBlock>o)._queue != <PyObject*>queue
+            or not (0 <= slot < queue._list.capacity())):
+        return -E_NOT_OURS
+    if refs <= 0 or queue._list.contains_unchecked(slot):
+        return -E_DOUBLE_FREE
+    err = _put_refs(o, refs - 1, rb)
+    if err != E_NONE:
+        return -err
+    if refs != 1:
+        return A_HELD
+    if not enable_caching or <PyObject*>(<KVCacheBlock>o)._block_hash == kvpool_none():
+        return A_FIRST
+    return A_LAST
 
 
 cdef object _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
-                       Py_ssize_t n, Py_ssize_t step, bint enable_caching):
+                       Py_ssize_t n, Py_ssize_t step, bint enable_caching,
+                       FencedDeferredFreeQueue deferred, const int64_t* handles,
+                       int64_t own_owner=-1):
     # The loop of pool_free_blocks over items[0], items[step], ... (n of them, borrowed
-    # references the caller keeps alive). No Python code runs and nothing that could
-    # start a garbage collection is allocated until the loop and its undo are done, so
-    # the items cannot change under it.
+    # references the caller keeps alive), or, when `handles` is not NULL, over the
+    # blocks named by handles[0 .. n-1] of `deferred` (resolved as the loop goes;
+    # `own_owner` is the owner index of `queue` there, -1 if none). No Python code
+    # runs and nothing that could start a garbage collection is allocated until the
+    # loop and its undo are done, so the items cannot change under it.
+    cdef HandleTable ht
+    cdef int64_t h, hslot
+    cdef PyObject** own_items = kvpool_list_items(<PyObject*>queue._blocks)
+    cdef int64_t own_size = PyList_GET_SIZE(queue._blocks)
     cdef Py_ssize_t k = 0, j, nfirst = 0, nlast = 0, nforeign = 0, n10 = 0
     cdef PyObject* o
-    cdef PyObject* p
     cdef PyObject* none = kvpool_none()
-    cdef PyObject* true_ = kvpool_true()
     cdef PyObject* false_ = kvpool_false()
     cdef PyObject* zero = kvpool_si_obj(0)
     cdef PyObject* one = kvpool_si_obj(1)
-    cdef long refs = 0, bad_refs = 0
+    cdef PyObject* pool_o = <PyObject*>pool
+    cdef PyObject* queue_o = <PyObject*>queue
+    cdef void* block_type = <void*>KVCacheBlock
+    cdef long refs = 0
     cdef int32_t slot
-    cdef int32_t capacity = queue._list.capacity()
-    cdef int err = E_NONE
+    cdef uint32_t capacity = <uint32_t>queue._list.capacity()
+    cdef const int32_t* free_marks = queue._list.free_marks()
+    cdef int err = E_NONE, action
     cdef int32_t* first
     cdef int32_t* last
     cdef PyObject** foreign
@@ -1129,81 +1243,82 @@ cdef object _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** item
     queue._ptr_scratch.resize(n)
     foreign = queue._ptr_scratch.data()
     kvpool_refbatch_init(&rb)
+    ht.current = -1
     while k < n:
-        o = items[k * step]
-        if not isinstance(<object>o, KVCacheBlock):
-            err = E_NOT_BLOCK
-            break
-        p = (<KVCacheBlock>o)._is_null_o
-        if p != false_:
-            if p == true_:
+        if handles is NULL:
+            o = items[k * step]
+        else:
+            h = handles[k]
+            hslot = <int64_t><uint32_t>h
+            if (h >> 32) == own_owner and hslot < own_size:
+                # A block of this pool's own queue: the handle still names it if the
+                # block there is registered at that slot of that queue.
+                o = own_items[hslot]
+                if not (<void*>Py_TYPE(<object>o) == block_type
+                        and <PyObject*>(<KVCacheBlock>o)._queue == queue_o
+                        and (<KVCacheBlock>o)._slot == hslot):
+                    o = _handle_to_block(deferred, h, &ht, &err)
+            else:
+                o = _handle_to_block(deferred, h, &ht, &err)
+            if o is NULL:
+                break
+        # The common case: a held-once block of this pool that is not the null block.
+        if (<void*>Py_TYPE(<object>o) == block_type
+                and (<KVCacheBlock>o)._ref_cnt_o == one
+                and (<KVCacheBlock>o)._is_null_o == false_
+                and <PyObject*>(<KVCacheBlock>o).pool == pool_o
+                and <PyObject*>(<KVCacheBlock>o)._queue == queue_o):
+            slot = (<KVCacheBlock>o)._slot
+            if <uint32_t>slot < capacity and free_marks[slot] < 0:
+                (<KVCacheBlock>o)._ref_cnt_o = zero  # counted in n10
+                n10 += 1
+                if not enable_caching or <PyObject*>(<KVCacheBlock>o)._block_hash == none:
+                    first[nfirst] = slot
+                    nfirst += 1
+                else:
+                    last[nlast] = slot
+                    nlast += 1
                 k += 1
                 continue
-            err = E_NULL_FIELD
+        action = _free_one(o, pool_o, queue, enable_caching, &rb, &refs)
+        if action < 0:
+            err = -action
             break
-        p = (<KVCacheBlock>o)._ref_cnt_o
-        if p == one:
-            refs = 1
-        elif not _read_refs(o, &refs):
-            err = E_REF_FIELD
-            break
-        if (<PyObject*>(<KVCacheBlock>o).pool != none
-                and <PyObject*>(<KVCacheBlock>o).pool != <PyObject*>pool):
-            foreign[nforeign] = o  # forwarded to its own pool after the loop
+        if action == A_FOREIGN:
+            foreign[nforeign] = o
             nforeign += 1
-            k += 1
-            continue
-        if (<KVCacheBlock>o)._queue is None and refs != 1:
-            # A placeholder block no pool owns (vLLM's own tests build block tables
-            # of bare KVCacheBlock(id)): vLLM decrements its ref_cnt and, as it does
-            # not reach 0, never links it anywhere. Do the same; it cannot reach the
-            # free list. One that would reach 0 is refused below as foreign.
-            err = _put_refs(o, refs - 1, &rb)
-            if err != E_NONE:
-                break
-            k += 1
-            continue
-        slot = (<KVCacheBlock>o)._slot
-        if (<PyObject*>(<KVCacheBlock>o)._queue != <PyObject*>queue
-                or not (0 <= slot < capacity)):
-            err = E_NOT_OURS
-            break
-        if refs <= 0 or queue._list.contains_unchecked(slot):
-            err = E_DOUBLE_FREE
-            break
-        if p == one:
-            (<KVCacheBlock>o)._ref_cnt_o = zero  # the common case, counted in n10
-            n10 += 1
-        else:
-            err = _put_refs(o, refs - 1, &rb)
-            if err != E_NONE:
-                break
-        if refs == 1:
-            if not enable_caching or <PyObject*>(<KVCacheBlock>o)._block_hash == none:
-                first[nfirst] = slot
-                nfirst += 1
-            else:
-                last[nlast] = slot
-                nlast += 1
+        elif action == A_FIRST:
+            first[nfirst] = (<KVCacheBlock>o)._slot
+            nfirst += 1
+        elif action == A_LAST:
+            last[nlast] = (<KVCacheBlock>o)._slot
+            nlast += 1
         k += 1
     rb.d[1] -= n10
     rb.d[0] += n10
     if err != E_NONE:
-        bad_refs = refs
-        # Undo: every block before items[k] that is neither null nor another pool's
-        # was decremented once per occurrence. Nothing was linked yet.
+        # Undo: every block before the failing one that is neither null nor another
+        # pool's was decremented once per occurrence. Nothing was linked yet.
+        ht.current = -1
         for j in range(k):
-            o = items[j * step]
+            o = items[j * step] if handles is NULL else _handle_to_block(deferred, handles[j], &ht, &action)
             if _null_state(o) == 1:
                 continue
             if (<PyObject*>(<KVCacheBlock>o).pool != none
-                    and <PyObject*>(<KVCacheBlock>o).pool != <PyObject*>pool):
+                    and <PyObject*>(<KVCacheBlock>o).pool != pool_o):
                 continue
             _read_refs(o, &refs)
             _put_refs(o, refs + 1, &rb)  # restores the value it had (cannot overflow)
-        culprit = <object>items[k * step]
+        if handles is NULL:
+            culprit = <object>items[k * step]
+        elif err == E_TAKEN_OVER or err == E_CORRUPT_HANDLE:
+            culprit = None
+        else:
+            culprit = <object>_handle_to_block(deferred, handles[k], &ht, &action)
+        if culprit is not None and err == E_DOUBLE_FREE:
+            _read_refs(<PyObject*>culprit, &refs)
         _flush(&rb)
-        _raise_loop_error(err, culprit, "free_blocks", bad_refs)
+        _raise_loop_error(err, culprit, "free_blocks", refs)
     # Every block was checked above (in range, not free, listed once per reference),
     # so these batch links cannot fail.
     if nfirst:
@@ -1258,6 +1373,10 @@ def pool_touch(FreeKVCacheBlockQueue queue not None, object blocks):
     cdef int32_t* removed  # (slot, prev node, next node) triples, for the undo
     cdef kvpool_refbatch rb
     cdef object culprit
+    cdef PyObject* queue_o = <PyObject*>queue
+    cdef void* block_type = <void*>KVCacheBlock
+    cdef const int32_t* free_marks = queue._list.free_marks()
+    cdef uint32_t ucapacity = <uint32_t>capacity
     if n == 0:
         return
     queue._scratch.resize(3 * n)
@@ -1268,6 +1387,22 @@ def pool_touch(FreeKVCacheBlockQueue queue not None, object blocks):
     # `items` stays valid.
     while k < n:
         o = items[k * step]
+        # The common case (a prefix-cache hit on a free block): take it out of the
+        # free queue, ref_cnt 0 -> 1.
+        if (<void*>Py_TYPE(<object>o) == block_type
+                and (<KVCacheBlock>o)._ref_cnt_o == zero
+                and (<KVCacheBlock>o)._is_null_o == false_
+                and <PyObject*>(<KVCacheBlock>o)._queue == queue_o):
+            slot = (<KVCacheBlock>o)._slot
+            if <uint32_t>slot < ucapacity and free_marks[slot] >= 0:
+                removed[3 * nremoved] = slot
+                queue._list.remove_recording(slot, &removed[3 * nremoved + 1],
+                                             &removed[3 * nremoved + 2])
+                nremoved += 1
+                (<KVCacheBlock>o)._ref_cnt_o = one  # counted in n01
+                n01 += 1
+                k += 1
+                continue
         if not isinstance(<object>o, KVCacheBlock):
             err = E_NOT_BLOCK
             break
@@ -1442,7 +1577,6 @@ _install_member_descriptors()
 # Fenced deferred-free queue (Scheduler.deferred_frees, vllm/v1/core/sched/scheduler.py)
 # --------------------------------------------------------------------------------------
 cdef int64_t _LOOSE_OWNER = 0x7FFFFFFF  # handle = owner << 32 | slot, kept non-negative
-cdef int64_t _SLOT_MASK = 0xFFFFFFFF  # a typed constant: a bare literal this size is a Python int
 
 
 @cython.auto_pickle(False)
@@ -1471,6 +1605,7 @@ cdef class FencedDeferredFreeQueue:
     cdef list _loose
     cdef vector[int64_t] _handles
     cdef vector[int64_t] _out
+    cdef vector[PyObject*] _ptrs
 
     def __cinit__(self):
         self._owners = []
@@ -1504,42 +1639,30 @@ cdef class FencedDeferredFreeQueue:
         self._loose.append(obj)
         return (_LOOSE_OWNER << 32) | <int64_t>(len(self._loose) - 1)
 
-    cdef list _objects(self, size_t begin, size_t end, const int64_t* handles, bint reverse):
-        # Handles -> block objects without Python-level calls: the owner's block list
-        # is looked up once per run of handles with the same owner.
-        cdef list out = PyList_New(end - begin)
+    cdef int _resolve(self, size_t begin, size_t end, const int64_t* handles,
+                      PyObject** out) except -1:
+        # Handles [begin, end) -> borrowed block pointers, checked (_handle_to_block).
         cdef size_t i
-        cdef Py_ssize_t k
-        cdef int64_t owner, slot, current = -1
-        cdef list table = None
-        cdef object owner_queue = None
-        cdef Py_ssize_t table_size = 0
-        cdef PyObject* obj
+        cdef HandleTable t
+        cdef int err = E_NONE
+        t.current = -1
         for i in range(begin, end):
-            owner = handles[i] >> 32
-            slot = handles[i] & _SLOT_MASK
-            if owner != current:
-                if owner == _LOOSE_OWNER:
-                    table = self._loose
-                    owner_queue = None
-                elif 0 <= owner < PyList_GET_SIZE(self._owners):
-                    owner_queue = <object>PyList_GET_ITEM(self._owners, owner)
-                    table = (<FreeKVCacheBlockQueue>owner_queue)._blocks
-                else:
-                    raise RuntimeError(f"corrupt deferred-free handle {handles[i]}")
-                table_size = PyList_GET_SIZE(table)
-                current = owner
-            if not (0 <= slot < table_size):
-                raise RuntimeError(f"corrupt deferred-free handle {handles[i]}")
-            obj = PyList_GET_ITEM(table, slot)
-            if owner_queue is not None and (
-                    <object>obj is None or (<KVCacheBlock>obj)._queue is not owner_queue
-                    or (<KVCacheBlock>obj)._slot != slot):
-                raise BlockStateError(
-                    "a deferred block was taken over by another free queue before its fence")
-            k = <Py_ssize_t>(end - 1 - i if reverse else i - begin)
-            Py_INCREF(<object>obj)
-            PyList_SET_ITEM(out, k, <object>obj)
+            out[i - begin] = _handle_to_block(self, handles[i], &t, &err)
+            if out[i - begin] is NULL:
+                _raise_loop_error(err, None, "deferred free", 0)
+        return 0
+
+    cdef list _objects(self, size_t begin, size_t end, const int64_t* handles, bint reverse):
+        # Handles -> a new list of the block objects (in reverse when `reverse`).
+        cdef size_t n = end - begin, i
+        cdef PyObject* obj
+        self._ptrs.resize(n)
+        self._resolve(begin, end, handles, self._ptrs.data())
+        cdef list out = PyList_New(<Py_ssize_t>n)
+        for i in range(n):
+            obj = self._ptrs[n - 1 - i if reverse else i]
+            Py_INCREF_ptr(obj)
+            kvpool_list_items(<PyObject*>out)[i] = obj
         return out
 
     cdef void _maybe_reset_tables(self):
@@ -1588,6 +1711,55 @@ cdef class FencedDeferredFreeQueue:
         self._q.discard_front(ready)
         self._maybe_reset_tables()
         return result
+
+    def free_ready(self, processed_step_seq, pool):
+        """Free the leading entries whose fence is met through ``pool`` (a kvpool
+        ``BlockPool``), oldest first, without building block lists: each entry is
+        freed exactly as ``pool.free_blocks(blocks)`` would free it (its own call,
+        blocks of other pools forwarded to their ``free_blocks``). What
+        ``Scheduler._drain_deferred_frees`` does (vLLM 0.33.0), in native code.
+
+        Args:
+            processed_step_seq: int, the scheduler's processed step sequence number.
+            pool: the scheduler's block pool; its ``free_block_queue`` must be a
+                kvpool ``FreeKVCacheBlockQueue``.
+        Returns:
+            Number of entries freed (int).
+        Raises:
+            TypeError: ``processed_step_seq`` is not an int, or the pool's queue is not
+                kvpool's.
+            BlockStateError: a block of the entry was taken over by another queue, or
+                the entry would double free a block; that entry and the ones after it
+                stay queued, the ones before it are freed.
+        """
+        cdef int64_t processed = _index(processed_step_seq)
+        cdef FreeKVCacheBlockQueue queue
+        cdef FencedFreeQueue.Entry entry
+        cdef bint enable_caching
+        cdef size_t n
+        cdef Py_ssize_t freed = 0
+        queue_obj = pool.free_block_queue
+        if not isinstance(queue_obj, FreeKVCacheBlockQueue):
+            raise TypeError(
+                f"free_ready() needs a pool with a kvpool free queue, got {type(queue_obj).__name__}")
+        queue = <FreeKVCacheBlockQueue>queue_obj
+        enable_caching = bool(pool.enable_caching)
+        while not self._q.empty() and self._q.entry(0).fence_seq <= processed:
+            entry = self._q.entry(0)
+            n = entry.end - entry.begin
+            others = None
+            if n:
+                own = self._owner_index.get(id(queue))
+                others = _free_core(pool, queue, NULL, <Py_ssize_t>n, 1, enable_caching,
+                                    self, self._q.handles() + entry.begin,
+                                    -1 if own is None else <int64_t>own)
+            self._q.discard_front(1)
+            freed += 1
+            if others:
+                for other_pool, blocks in others.items():
+                    other_pool.free_blocks(blocks)
+        self._maybe_reset_tables()
+        return freed
 
     def ready_entries(self, processed_step_seq):
         """Number of leading entries whose fence is met (nothing is removed)."""

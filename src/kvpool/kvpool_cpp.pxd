@@ -27,6 +27,7 @@ cdef extern from "free_block_list.h" namespace "kvpool" nogil:
         void append_n_unchecked(const int32_t* slots, int32_t n)
         void prepend_n_unchecked(const int32_t* slots, int32_t n)
         cbool contains_unchecked(int32_t slot)
+        const int32_t* free_marks()
         void remove_recording(int32_t slot, int32_t* prev_node, int32_t* next_node)
         void undo_remove(int32_t slot, int32_t prev_node, int32_t next_node)
         void grow(int32_t extra) except +
