@@ -89,6 +89,22 @@ class FreeBlockList {
   // Per slot, a value >= 0 exactly when the slot is free (its prev link): for loops
   // that test many slots. Valid until the capacity changes (grow).
   const int32_t* free_marks() const { return prev_.data() + kFirst; }
+  // The next links by node (node = slot + 2; node 0 is the fake head, node 1 the
+  // fake tail), for a loop that walks the front of the list while it does other
+  // work per slot, then takes what it walked with detach_front.
+  const int32_t* next_links() const { return next_.data(); }
+  // Unlink the first k free slots: slots[0..k) must be exactly the first k slots
+  // of the list, in order (the caller walked them with next_links). O(k).
+  void detach_front(const int32_t* slots, int32_t k) {
+    if (k <= 0) return;
+    int32_t after = next_[slots[k - 1] + kFirst];
+    next_[kHead] = after;
+    prev_[after] = kHead;
+    for (int32_t i = 0; i < k; ++i) {
+      prev_[slots[i] + kFirst] = next_[slots[i] + kFirst] = kNotFree;
+    }
+    size_ -= k;
+  }
 
   // Add `extra` slots (not free) at the end of the slot range.
   void grow(int32_t extra);

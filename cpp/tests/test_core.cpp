@@ -127,7 +127,37 @@ static void test_fenced_queue_fifo_and_fences() {
   CHECK(out.size() == 10000 && out.front() == 10000);
 }
 
+// Walking the front with next_links and taking the walked run with detach_front is
+// popleft_n; free_marks tells free slots from taken ones.
+static void test_walk_and_detach_front() {
+  FreeBlockList a(8, true), b(8, true);
+  int32_t order[4] = {5, 2, 7, 0};
+  for (FreeBlockList* l : {&a, &b}) {
+    l->remove(5); l->remove(2); l->remove(7); l->remove(0);
+    l->prepend_n(order, 4);  // 5 2 7 0 1 3 4 6
+    l->remove(6);
+  }
+  const int32_t* next = a.next_links();
+  int32_t walked[3], node = next[0];
+  for (int i = 0; i < 3; ++i) {
+    walked[i] = node - 2;
+    node = next[node];
+  }
+  a.detach_front(walked, 3);
+  int32_t popped[3];
+  b.popleft_n(3, popped);
+  CHECK(std::equal(walked, walked + 3, popped));
+  CHECK(walked[0] == 5 && walked[1] == 2 && walked[2] == 7);
+  CHECK(a.to_vector() == b.to_vector() && a.size() == b.size() && a.size() == 4);
+  a.check_invariants();
+  const int32_t* marks = a.free_marks();
+  for (int32_t s = 0; s < 8; ++s) CHECK((marks[s] >= 0) == a.contains(s));
+  a.detach_front(walked, 0);  // nothing
+  CHECK(a.size() == 4);
+}
+
 int main() {
+  test_walk_and_detach_front();
   test_initial_order_and_pops();
   test_misuse_leaves_list_unchanged();
   test_prepend_append_remove_rebuild();

@@ -973,6 +973,8 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     cdef Py_ssize_t n01 = 0
     cdef PyObject* zero = kvpool_si_obj(0)
     cdef PyObject* one = kvpool_si_obj(1)
+    cdef const int32_t* next_links
+    cdef int32_t node, slot
     if n < 0:
         raise ValueError(f"cannot get a negative number of blocks ({n})")
     if n > queue._list.size() + queue._count_offset:
@@ -982,9 +984,36 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
                          f"(only {queue._list.size()} are really free)")
     popped.resize(n)
     ret = PyList_New(n)  # items not yet set are NULL; nothing outside sees the list
-    queue._list.popleft_n(<int32_t>n, popped.data())
     kvpool_refbatch_init(&rb)
     table = kvpool_list_items(<PyObject*>queue._blocks)
+    # The common case first: walk the front of the free list while taking the blocks
+    # (the walk's chain of dependent loads overlaps the per-block work), up to the
+    # first block that needs Python code (creation, an eviction callback) or is not
+    # a plain free block; the walked run is then unlinked in one go. No Python code
+    # runs until every block of the call is off the free list, as in vLLM.
+    next_links = queue._list.next_links()
+    node = next_links[0]  # the fake head's next
+    while i < n:
+        slot = node - 2
+        o = table[slot]
+        if (o == none or (<KVCacheBlock>o)._ref_cnt_o != zero or (enable_caching and (
+                <PyObject*>(<KVCacheBlock>o)._block_hash != none or has_extra))):
+            break
+        popped[i] = slot
+        (<KVCacheBlock>o)._ref_cnt_o = one  # counted in n01
+        n01 += 1
+        Py_INCREF_ptr(o)
+        kvpool_list_items(<PyObject*>ret)[i] = o
+        i += 1
+        node = next_links[node]
+    queue._list.detach_front(popped.data(), <int32_t>i)
+    if i == n:
+        rb.d[0] -= n01
+        rb.d[1] += n01
+        kvpool_refbatch_flush(&rb)
+        return ret
+    # The rest, popped first, one block at a time.
+    queue._list.popleft_n(<int32_t>(n - i), popped.data() + i)
     try:
         while i < n:
             o = table[popped[i]]

@@ -28,6 +28,8 @@ cdef extern from "free_block_list.h" namespace "kvpool" nogil:
         void prepend_n_unchecked(const int32_t* slots, int32_t n)
         cbool contains_unchecked(int32_t slot)
         const int32_t* free_marks()
+        const int32_t* next_links()
+        void detach_front(const int32_t* slots, int32_t k)
         void remove_recording(int32_t slot, int32_t* prev_node, int32_t* next_node)
         void undo_remove(int32_t slot, int32_t prev_node, int32_t next_node)
         void grow(int32_t extra) except +
