@@ -1242,6 +1242,7 @@ cdef object _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** item
     # loop and its undo are done, so the items cannot change under it.
     cdef HandleTable ht
     cdef int64_t h, hslot
+    cdef int32_t fast_slot
     cdef PyObject** own_items = kvpool_list_items(<PyObject*>queue._blocks)
     cdef int64_t own_size = PyList_GET_SIZE(queue._blocks)
     cdef Py_ssize_t k = 0, j, nfirst = 0, nlast = 0, nforeign = 0, n10 = 0
@@ -1274,41 +1275,52 @@ cdef object _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** item
     kvpool_refbatch_init(&rb)
     ht.current = -1
     while k < n:
+        # The common case, checked inline: a held-once block of this pool that is not
+        # the null block (fast_slot >= 0 then); anything else goes to _free_one.
+        fast_slot = -1
         if handles is NULL:
             o = items[k * step]
+            if (<void*>Py_TYPE(<object>o) == block_type
+                    and (<KVCacheBlock>o)._ref_cnt_o == one
+                    and (<KVCacheBlock>o)._is_null_o == false_
+                    and <PyObject*>(<KVCacheBlock>o).pool == pool_o
+                    and <PyObject*>(<KVCacheBlock>o)._queue == queue_o):
+                slot = (<KVCacheBlock>o)._slot
+                if <uint32_t>slot < capacity and free_marks[slot] < 0:
+                    fast_slot = slot
         else:
             h = handles[k]
             hslot = <int64_t><uint32_t>h
+            o = NULL
             if (h >> 32) == own_owner and hslot < own_size:
                 # A block of this pool's own queue: the handle still names it if the
                 # block there is registered at that slot of that queue.
                 o = own_items[hslot]
-                if not (<void*>Py_TYPE(<object>o) == block_type
+                if (<void*>Py_TYPE(<object>o) == block_type
                         and <PyObject*>(<KVCacheBlock>o)._queue == queue_o
                         and (<KVCacheBlock>o)._slot == hslot):
-                    o = _handle_to_block(deferred, h, &ht, &err)
-            else:
-                o = _handle_to_block(deferred, h, &ht, &err)
-            if o is NULL:
-                break
-        # The common case: a held-once block of this pool that is not the null block.
-        if (<void*>Py_TYPE(<object>o) == block_type
-                and (<KVCacheBlock>o)._ref_cnt_o == one
-                and (<KVCacheBlock>o)._is_null_o == false_
-                and <PyObject*>(<KVCacheBlock>o).pool == pool_o
-                and <PyObject*>(<KVCacheBlock>o)._queue == queue_o):
-            slot = (<KVCacheBlock>o)._slot
-            if <uint32_t>slot < capacity and free_marks[slot] < 0:
-                (<KVCacheBlock>o)._ref_cnt_o = zero  # counted in n10
-                n10 += 1
-                if not enable_caching or <PyObject*>(<KVCacheBlock>o)._block_hash == none:
-                    first[nfirst] = slot
-                    nfirst += 1
+                    if ((<KVCacheBlock>o)._ref_cnt_o == one
+                            and (<KVCacheBlock>o)._is_null_o == false_
+                            and <PyObject*>(<KVCacheBlock>o).pool == pool_o
+                            and free_marks[hslot] < 0):
+                        fast_slot = <int32_t>hslot
                 else:
-                    last[nlast] = slot
-                    nlast += 1
-                k += 1
-                continue
+                    o = NULL
+            if o is NULL:
+                o = _handle_to_block(deferred, h, &ht, &err)
+                if o is NULL:
+                    break
+        if fast_slot >= 0:
+            (<KVCacheBlock>o)._ref_cnt_o = zero  # counted in n10
+            n10 += 1
+            if not enable_caching or <PyObject*>(<KVCacheBlock>o)._block_hash == none:
+                first[nfirst] = fast_slot
+                nfirst += 1
+            else:
+                last[nlast] = fast_slot
+                nlast += 1
+            k += 1
+            continue
         action = _free_one(o, pool_o, queue, enable_caching, &rb, &refs)
         if action < 0:
             err = -action
@@ -1710,12 +1722,31 @@ cdef class FencedDeferredFreeQueue:
             TypeError: ``fence_seq`` is not an int (a float fence would be met early).
         """
         cdef int64_t fence = _index(fence_seq)
-        cdef list seq = _private_list(blocks)
-        cdef Py_ssize_t n = PyList_GET_SIZE(seq), k
+        cdef Py_ssize_t start, step, n, k
+        cdef list seq = _source(blocks, &start, &step, &n)
+        cdef PyObject** items = kvpool_list_items(<PyObject*>seq) + start
+        cdef PyObject* o
+        cdef PyObject* last
+        cdef int64_t last_index
+        cdef int64_t* out
+        cdef void* block_type = <void*>KVCacheBlock
         self._handles.resize(n)
+        out = self._handles.data()
+        last = <PyObject*>self._last_owner
+        last_index = self._last_owner_index
+        # No Python code runs in this loop (_handle_of reads fields, looks up the
+        # owner table by id and appends to internal lists), so `items` stays valid.
         for k in range(n):
-            self._handles[k] = self._handle_of(<object>PyList_GET_ITEM(seq, k))
-        self._q.push(fence, self._handles.data(), <size_t>n)
+            o = items[k * step]
+            if (<void*>Py_TYPE(<object>o) == block_type and last != kvpool_none()
+                    and <PyObject*>(<KVCacheBlock>o)._queue == last
+                    and (<KVCacheBlock>o)._slot >= 0):
+                out[k] = (last_index << 32) | <int64_t>(<KVCacheBlock>o)._slot
+            else:
+                out[k] = self._handle_of(<object>o)
+                last = <PyObject*>self._last_owner
+                last_index = self._last_owner_index
+        self._q.push(fence, out, <size_t>n)
 
     def drain(self, processed_step_seq):
         """Remove the leading entries whose fence is met.
