@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything CI runs, from a fresh clone: .venv + build, kvpool's tests, the
-# benchmarks (ratios printed, nothing asserted on time), and the conformance run of
-# vLLM's own test suite with and without kvpool (fails on any regression).
+# benchmarks (vLLM/kvpool ratios of the same run checked against the targets in
+# benchmarks/ratios.py; never an absolute time), and the conformance run of vLLM's
+# own test suite with and without kvpool (fails on any regression).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$here/scripts/bootstrap.sh"
@@ -17,5 +18,13 @@ echo "== benchmarks (vLLM 0.33.0 vs kvpool, same run)"
 "$py" -m pytest benchmarks -q -p no:cacheprovider --benchmark-only \
   --benchmark-json=.ci-out/benchmarks.json --benchmark-columns=median,iqr,rounds
 
+ratios=0
+"$py" benchmarks/check_ratios.py .ci-out/benchmarks.json || ratios=$?
+
 echo "== conformance: vLLM's own tests, vanilla vs kvpool"
 "$py" -m kvpool conformance --json .ci-out/conformance.json
+
+if [ "$ratios" -ne 0 ]; then
+  echo "benchmark ratios below their targets (see above)" >&2
+  exit 1
+fi
