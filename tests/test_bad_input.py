@@ -176,3 +176,215 @@ def test_ref_cnt_does_not_overflow_silently():
     with pytest.raises(OverflowError):
         pool.touch([b])
     assert b.ref_cnt == 2**63 - 1
+
+
+# --- findings of a second break-it session (borrowed pointers, native drain) ----------
+import gc  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+
+from kvpool._core import pool_get_new_blocks  # noqa: E402
+
+
+@contextmanager
+def gc_callback(callback, threshold=1):
+    """Run `callback(phase, info)` on every collection, collecting as often as possible."""
+    old = gc.get_threshold()
+    gc.callbacks.append(callback)
+    gc.set_threshold(threshold)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+        gc.callbacks.remove(callback)
+
+
+def test_a_collection_while_forwarding_cannot_pull_the_scratch_space_away():
+    a, b = BlockPool(100, True, 16), BlockPool(100, True, 16)
+    held = b.get_new_blocks(50)
+    size, inside = [1000], [False]
+
+    def reenter(phase, info):
+        if phase != "start" or inside[0]:
+            return
+        inside[0] = True
+        try:
+            size[0] *= 2
+            a.free_blocks([a.null_block] * size[0])  # grows a's scratch space
+        finally:
+            inside[0] = False
+
+    with gc_callback(reenter):
+        a.free_blocks(held)  # every block is forwarded to b
+    assert all(x.ref_cnt == 0 for x in held) and b.get_num_free_blocks() == 99
+    b.free_block_queue.check_invariants()
+
+
+@pytest.mark.parametrize("hook", ["free_it", "append_it"])
+def test_get_new_blocks_rollback_skips_blocks_a_callback_already_put_back(hook):
+    pool = BlockPool(8, True, 16)
+    for blk in pool.blocks[1:]:
+        blk._block_hash = ("h", blk.block_id)  # every block needs the eviction callback
+
+    def evict(block):
+        if block.block_id == 3:
+            if hook == "free_it":
+                pool.free_blocks([pool.blocks[1]])  # popped by this call, ref_cnt 1
+            else:
+                pool.free_block_queue.append(block)
+            raise KeyError("eviction hook failed")
+        block.reset_hash()
+
+    q = pool.free_block_queue
+    with pytest.raises(KeyError):
+        pool_get_new_blocks(q, 4, True, {}, evict)
+    q.check_invariants()
+    assert pool.get_num_free_blocks() == 7
+    assert sorted(q.free_block_ids()) == list(range(1, 8))
+    assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
+    assert len(pool.get_new_blocks(7)) == 7
+
+
+def test_get_new_blocks_checks_ref_cnt_after_the_eviction_callback():
+    pool = BlockPool(8, True, 16)
+    pool.blocks[2]._block_hash = ("h", 2)
+
+    def evict(block):
+        block.ref_cnt += 5
+        block.reset_hash()
+
+    with pytest.raises(BlockStateError, match="ref_cnt=5"):
+        pool_get_new_blocks(pool.free_block_queue, 3, True, {}, evict)
+    # Blocks 1 and 3 go back; block 2 is held by whoever changed its ref_cnt.
+    assert pool.free_block_queue.free_block_ids()[:2] == [1, 3]
+    assert pool.blocks[2].ref_cnt == 5
+    pool.free_block_queue.check_invariants()
+
+
+def test_python_code_never_sees_a_half_built_result_list():
+    pool = BlockPool(1000, True, 16)  # blocks are created on first use: collections
+    scans = []
+
+    def scan(phase, info):
+        if phase == "start" and len(scans) < 5:  # (each scan walks every object)
+            scans.append(1)
+            for obj in gc.get_objects(generation=0):
+                if type(obj) is list and len(obj) == 777:
+                    obj[-1]  # a NULL item would crash here
+
+    with gc_callback(scan):
+        got = pool.get_new_blocks(777)
+    assert len(got) == 777 and all(b.ref_cnt == 1 for b in got) and scans
+
+
+def test_free_ready_drops_an_entry_once_its_blocks_are_linked():
+    """A failure after the free (here: forwarding to a pool whose __hash__ raises)
+    must not leave the entry queued to be freed a second time."""
+    pool = BlockPool(10, True, 16)
+
+    class OddPool:
+        calls = 0
+
+        def __hash__(self):
+            OddPool.calls += 1
+            if OddPool.calls == 1:
+                raise RuntimeError("hash failed once")
+            return 1
+
+        def free_blocks(self, blocks):
+            pass
+
+    own = pool.get_new_blocks(3)
+    q = FencedDeferredFreeQueue()
+    q.push(5, own + [KVCacheBlock(99, ref_cnt=1, pool=OddPool())])
+    with pytest.raises(RuntimeError, match="hash failed once"):
+        q.free_ready(5, pool)
+    assert len(q) == 0 and all(b.ref_cnt == 0 for b in own)
+    held = pool.get_new_blocks(9)
+    assert q.free_ready(5, pool) == 0
+    assert all(b.ref_cnt == 1 for b in held) and pool.get_num_free_blocks() == 0
+
+
+def test_free_ready_re_entered_from_a_finalizer_frees_each_entry_once():
+    pool = BlockPool(10, True, 16)
+    q = FencedDeferredFreeQueue()
+    a, b, c = pool.get_new_blocks(3)
+    pool.touch([a])  # held twice
+
+    class Reenter(int):
+        def __del__(self):
+            q.free_ready(5, pool)
+
+    a.ref_cnt = Reenter(2)
+    q.push(5, [a])
+    q.push(5, [b])
+    q.push(9, [c])  # fence not met
+    q.free_ready(5, pool)
+    assert a.ref_cnt == 1 and b.ref_cnt == 0
+    assert len(q) == 1 and c.ref_cnt == 1 and c not in pool.free_block_queue
+    pool.free_block_queue.check_invariants()
+
+
+def test_reversed_list_subclass_is_iterated_not_ignored():
+    class MyList(list):
+        pass
+
+    pool = BlockPool(10, True, 16)
+    blocks = pool.get_new_blocks(4)
+    pool.free_blocks(reversed(MyList(blocks)))
+    assert [b.ref_cnt for b in blocks] == [0, 0, 0, 0] and pool.get_num_free_blocks() == 9
+    pool.touch(reversed(MyList(pool.blocks[5:8])))
+    assert [b.ref_cnt for b in pool.blocks[5:8]] == [1, 1, 1]
+    q = FencedDeferredFreeQueue()
+    q.push(1, reversed(MyList(pool.blocks[5:8])))
+    assert q.num_blocks == 3
+
+
+def test_deferred_queue_views_are_right_when_a_collection_reads_the_queue():
+    pool = BlockPool(100, True, 16)
+    q = FencedDeferredFreeQueue()
+    first, second = pool.get_new_blocks(3), pool.get_new_blocks(3)
+    q.push(1, first)
+    q.push(2, second)
+
+    def read_queue(phase, info):
+        if phase == "start":
+            for _ in q.entries():
+                pass
+
+    for _ in range(10):
+        keep = [[] for _ in range(300)]  # empty the free list of list objects
+        with gc_callback(read_queue):
+            fence, blocks = q[0]
+            drained = q.drain(1)
+        del keep
+        assert (fence, blocks) == (1, first[::-1]) and drained == [first]
+        q = FencedDeferredFreeQueue()
+        q.push(1, first)
+        q.push(2, second)
+
+
+def test_a_queue_holding_appended_blocks_cannot_be_reinitialised():
+    q = FreeKVCacheBlockQueue.__new__(FreeKVCacheBlockQueue)
+    a, b = KVCacheBlock(0), KVCacheBlock(1)
+    q.append(a)
+    q.append(b)
+    with pytest.raises(RuntimeError, match="already initialised"):
+        q.__init__([KVCacheBlock(7)])
+    assert q.free_block_ids() == [0, 1]
+
+
+def test_a_subclass_eviction_hook_sees_every_allocated_block_like_vllm():
+    from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
+
+    seen = {}
+    for base in (VllmBlockPool, BlockPool):
+
+        class Hooked(base):
+            def _maybe_evict_cached_block(self, block):
+                seen.setdefault(base, []).append(block.block_id)
+                return super()._maybe_evict_cached_block(block)
+
+        pool = Hooked(16, True, 16)
+        pool.free_blocks(reversed(pool.get_new_blocks(5)))
+        pool.get_new_blocks(7)
+    assert seen[BlockPool] == seen[VllmBlockPool] == [1, 2, 3, 4, 5, 5, 4, 3, 2, 1, 6, 7]

@@ -8,7 +8,8 @@ vLLM's own code, inherited unchanged.
 
 Fast paths skip only work that is provably not needed: with a metrics collector or
 reuse watchers registered, ``get_new_blocks`` and ``touch`` run vLLM's loop (over
-kvpool's queue) so every callback fires exactly as in vLLM.
+kvpool's queue) so every callback fires exactly as in vLLM; so does
+``get_new_blocks`` of a subclass that overrides ``_maybe_evict_cached_block``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ logger = init_logger(__name__)
 REORDER_ON_RESET_ENV = "KVPOOL_REORDER_ON_RESET"
 
 VllmBlockPool = _vllm_block_pool.BlockPool
+# kvpool's loop calls the eviction hook only for blocks that have a hash (vLLM's
+# returns at once for the others); a subclass that overrides it gets vLLM's loop.
+_VLLM_MAYBE_EVICT = VllmBlockPool._maybe_evict_cached_block
 VllmBlockHashToBlockMap = _vllm_block_pool.BlockHashToBlockMap
 
 
@@ -151,7 +155,12 @@ class BlockPool(VllmBlockPool):
             ValueError: more blocks than are free ("Cannot get N free blocks from the
                 pool") or ``num_blocks < 0``.
         """
-        if self._reuse_watchers or self.metrics_collector is not None:
+        if (
+            self._reuse_watchers
+            or self.metrics_collector is not None
+            or type(self)._maybe_evict_cached_block is not _VLLM_MAYBE_EVICT
+        ):
+            # Callbacks that must see every block (a subclass's eviction hook too).
             return VllmBlockPool.get_new_blocks(self, num_blocks)
         return pool_get_new_blocks(
             self.free_block_queue,

@@ -23,6 +23,7 @@ from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from cpython.object cimport Py_TYPE
 from libc.stdint cimport int32_t, int64_t, uint32_t
 from libcpp.vector cimport vector
+from cython.operator cimport dereference as deref
 
 from kvpool.kvpool_cpp cimport FreeBlockList, FencedFreeQueue
 
@@ -251,6 +252,8 @@ cdef int _raise_loop_error(int err, object blk, str op, long refs) except -1:
     elif err == E_OVERFLOW:
         raise OverflowError(f"{op}(): ref_cnt of block {_id_text(o)} would overflow")
     elif err == E_NO_MEMORY:
+        if blk is None:
+            raise MemoryError(f"{op}(): out of memory")
         raise MemoryError(f"{op}(): no memory for the ref_cnt of block {_id_text(o)}")
     elif err == E_TOUCH_FOREIGN:
         raise BlockStateError(
@@ -279,8 +282,7 @@ cdef str _type_name(PyObject* p):
 
 cdef inline void _flush(kvpool_refbatch* rb):
     kvpool_refbatch_flush(rb)
-    if PyList_GET_SIZE(_GRAVEYARD):
-        del _GRAVEYARD[:]
+    _release_parked()
 
 
 class BlockStateError(ValueError, RuntimeError):
@@ -507,7 +509,7 @@ cdef class FreeKVCacheBlockQueue:
         cdef Py_ssize_t n, i
         cdef KVCacheBlock b
         cdef set seen = set()
-        if self._initialized:
+        if self._initialized or PyList_GET_SIZE(self._blocks):
             raise RuntimeError("FreeKVCacheBlockQueue is already initialised; build a new one")
         blist = list(blocks)
         n = len(blist)
@@ -951,30 +953,33 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
 
     Pops ``num_blocks`` from the front of the free queue; for a block that still has
     a prefix-cache hash (or extra hashes in ``cached_block_hashes_by_block``) calls
-    ``evict_cached_block(block)``; sets ``ref_cnt`` to 1. One pass: each block object
-    is touched once, while the returned list is built.
+    ``evict_cached_block(block)``; checks ``ref_cnt == 0`` (after the callback, as
+    vLLM's ``assert`` does) and sets it to 1. One pass over the blocks.
 
     Returns:
         ``list[KVCacheBlock]`` of length ``num_blocks``.
     Raises:
         TypeError: ``num_blocks`` is not an int.
         ValueError: ``num_blocks`` negative or more than the free blocks.
-        BlockStateError: a free block with ``ref_cnt != 0``. On any error the popped
-            blocks are put back where they were, with ``ref_cnt`` 0.
+        BlockStateError: a block with ``ref_cnt != 0`` (the pool is corrupted). On any
+            error the popped blocks that are still off the free list and unchanged by
+            others are put back in front, in their old order, with ``ref_cnt`` 0.
     """
-    cdef Py_ssize_t n = _index(num_blocks), i = 0, j
+    cdef Py_ssize_t n = _index(num_blocks), i = 0, j, nset = 0, nback = 0
     cdef list ret
     cdef PyObject* o
     cdef PyObject** table
     cdef PyObject* none = kvpool_none()
     cdef bint has_extra = bool(cached_block_hashes_by_block)
     cdef vector[int32_t] popped
+    cdef vector[PyObject*] taken  # owned references to the blocks of this call
     cdef kvpool_refbatch rb
     cdef Py_ssize_t n01 = 0
     cdef PyObject* zero = kvpool_si_obj(0)
     cdef PyObject* one = kvpool_si_obj(1)
     cdef const int32_t* next_links
     cdef int32_t node, slot
+    cdef long refs
     if n < 0:
         raise ValueError(f"cannot get a negative number of blocks ({n})")
     if n > queue._list.size() + queue._count_offset:
@@ -983,14 +988,15 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
         raise ValueError(f"Cannot get {n} free blocks from the pool "
                          f"(only {queue._list.size()} are really free)")
     popped.resize(n)
-    ret = PyList_New(n)  # items not yet set are NULL; nothing outside sees the list
+    taken.resize(n)
     kvpool_refbatch_init(&rb)
     table = kvpool_list_items(<PyObject*>queue._blocks)
     # The common case first: walk the front of the free list while taking the blocks
     # (the walk's chain of dependent loads overlaps the per-block work), up to the
     # first block that needs Python code (creation, an eviction callback) or is not
     # a plain free block; the walked run is then unlinked in one go. No Python code
-    # runs until every block of the call is off the free list, as in vLLM.
+    # runs until every block of the call is off the free list, as in vLLM. The
+    # returned list is built last, so Python code never sees it half filled.
     next_links = queue._list.next_links()
     node = next_links[0]  # the fake head's next
     while i < n:
@@ -1003,17 +1009,14 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
         (<KVCacheBlock>o)._ref_cnt_o = one  # counted in n01
         n01 += 1
         Py_INCREF_ptr(o)
-        kvpool_list_items(<PyObject*>ret)[i] = o
+        taken[i] = o
         i += 1
         node = next_links[node]
+    nset = i
     queue._list.detach_front(popped.data(), <int32_t>i)
-    if i == n:
-        rb.d[0] -= n01
-        rb.d[1] += n01
-        kvpool_refbatch_flush(&rb)
-        return ret
     # The rest, popped first, one block at a time.
-    queue._list.popleft_n(<int32_t>(n - i), popped.data() + i)
+    if i < n:
+        queue._list.popleft_n(<int32_t>(n - i), popped.data() + i)
     try:
         while i < n:
             o = table[popped[i]]
@@ -1028,12 +1031,8 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
                 if not isinstance(<object>o, KVCacheBlock):
                     raise BlockStateError(f"free slot {popped[i]} holds no block; the pool is corrupted")
             Py_INCREF_ptr(o)
-            kvpool_list_items(<PyObject*>ret)[i] = o
+            taken[i] = o
             i += 1
-            if (<KVCacheBlock>o)._ref_cnt_o != zero and _ref_cnt_of(o) != 0:
-                raise BlockStateError(
-                    f"free block {_id_text(o)} has ref_cnt={_ref_cnt_of(o)}; "
-                    "the pool is corrupted")
             if enable_caching and (<PyObject*>(<KVCacheBlock>o)._block_hash != none or (
                     has_extra and _block_id(<KVCacheBlock>o) in cached_block_hashes_by_block)):
                 rb.d[0] -= n01
@@ -1045,17 +1044,43 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
             if (<KVCacheBlock>o)._ref_cnt_o == zero:
                 (<KVCacheBlock>o)._ref_cnt_o = one  # the common case, counted in n01
                 n01 += 1
-            elif _put_refs(o, 1, &rb) != E_NONE:
-                raise MemoryError("get_new_blocks(): no memory for a ref_cnt")
+            else:
+                refs = _ref_cnt_of(o)
+                if refs != 0:
+                    raise BlockStateError(
+                        f"free block {_id_text(o)} has ref_cnt={refs}; the pool is corrupted")
+                if _put_refs(o, 1, &rb) != E_NONE:
+                    raise MemoryError("get_new_blocks(): no memory for a ref_cnt")
+            nset = i
+        ret = PyList_New(n)
     except BaseException:
         rb.d[0] -= n01
         rb.d[1] += n01
-        _flush(&rb)
-        # Put every popped block back in front, in its old order, unheld.
+        kvpool_refbatch_flush(&rb)
+        # Put back, in their old order and unheld, the popped blocks that are still
+        # off the free list and still as this call left them; Python code that ran in
+        # between (a callback, a finalizer) may have freed or taken some of them.
+        for j in range(n):
+            slot = popped[j]
+            if queue._list.contains(slot):
+                continue  # already back in the free list
+            if j < nset:  # this call set ref_cnt 1
+                o = taken[j]
+                if not _read_refs(o, &refs) or refs != 1:
+                    continue  # someone else holds it now
+                _put_refs(o, 0, &rb)
+            elif j < i and _read_refs(taken[j], &refs) and refs != 0:
+                continue  # not set by this call, but held now (a callback took it)
+            popped[nback] = slot
+            nback += 1
+        if nback:
+            queue._list.prepend_n_unchecked(popped.data(), <int32_t>nback)
         for j in range(i):
-            _store(&(<KVCacheBlock>PyList_GET_ITEM(ret, j))._ref_cnt_o, 0)
-        queue._list.prepend_n_unchecked(popped.data(), <int32_t>n)
+            Py_DECREF_ptr(taken[j])
+        _flush(&rb)
         raise
+    for j in range(n):
+        kvpool_list_items(<PyObject*>ret)[j] = taken[j]  # the list takes the reference
     rb.d[0] -= n01
     rb.d[1] += n01
     _flush(&rb)
@@ -1068,9 +1093,8 @@ cdef object _LIST_REVERSEITERATOR = type(reversed([]))
 cdef list _source(object blocks, Py_ssize_t* start, Py_ssize_t* step, Py_ssize_t* count):
     # What to iterate, without copying the common cases: a list, or the list behind
     # `reversed(list)` (vLLM frees that on every request finish; its list and
-    # position are the iterator's pickle state). Other iterables are copied once.
-    # Loops over the result re-check the index against the list's current size at
-    # every step, so a callback that changes the list cannot make them read past it.
+    # position are the iterator's pickle state). Other iterables (a list subclass
+    # or the reverse iterator of one included) are copied once.
     cdef list seq
     cdef Py_ssize_t index
     if type(blocks) is list:
@@ -1078,15 +1102,15 @@ cdef list _source(object blocks, Py_ssize_t* start, Py_ssize_t* step, Py_ssize_t
         return <list>blocks
     if type(blocks) is _LIST_REVERSEITERATOR:
         state = blocks.__reduce__()
-        if len(state) >= 3 and type(state[1][0]) is list:
+        if len(state) >= 3 and type(state[1][0]) is list and type(state[2]) is int:
             seq = <list>state[1][0]
             index = <Py_ssize_t>state[2]
             blocks.__setstate__(-1)  # consumed, as iterating it would leave it
             if 0 <= index < PyList_GET_SIZE(seq):
                 start[0], step[0], count[0] = index, -1, index + 1
                 return seq
-        start[0], step[0], count[0] = 0, 1, 0
-        return []
+            start[0], step[0], count[0] = 0, 1, 0  # exhausted, as CPython's would be
+            return []
     seq = list(blocks)
     start[0], step[0], count[0] = 0, 1, PyList_GET_SIZE(seq)
     return seq
@@ -1172,10 +1196,36 @@ def pool_free_blocks(object pool, FreeKVCacheBlockQueue queue not None,
     """
     cdef Py_ssize_t start, step, n
     cdef list seq = _source(ordered_blocks, &start, &step, &n)
+    cdef vector[PyObject*] foreign
     if n == 0:
         return None
-    return _free_core(pool, queue, kvpool_list_items(<PyObject*>seq) + start, n, step,
-                      enable_caching, None, NULL)
+    _free_core(pool, queue, kvpool_list_items(<PyObject*>seq) + start, n, step,
+               enable_caching, None, NULL, -1, &foreign)
+    try:
+        return _forwarded(foreign)
+    finally:
+        _release_parked()
+
+
+cdef dict _forwarded(vector[PyObject*]& foreign):
+    # {pool: [blocks]} of the blocks _free_core left for other pools; takes over the
+    # references `foreign` holds (all of them, even when this raises).
+    cdef size_t j = 0
+    cdef dict others = None
+    try:
+        if foreign.size():
+            others = {}
+            while j < foreign.size():
+                obj = <object>foreign[j]
+                Py_DECREF_ptr(foreign[j])  # `obj` holds it now
+                j += 1
+                others.setdefault((<KVCacheBlock>obj).pool, []).append(obj)
+        return others
+    finally:
+        while j < foreign.size():
+            Py_DECREF_ptr(foreign[j])
+            j += 1
+        foreign.clear()
 
 
 # What the free loop does with one block (the general case, _free_one).
@@ -1230,16 +1280,22 @@ cdef int _free_one(PyObject* o, PyObject* pool, FreeKVCacheBlockQueue queue,
     return A_LAST
 
 
-cdef object _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
-                       Py_ssize_t n, Py_ssize_t step, bint enable_caching,
-                       FencedDeferredFreeQueue deferred, const int64_t* handles,
-                       int64_t own_owner=-1):
+cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
+                    Py_ssize_t n, Py_ssize_t step, bint enable_caching,
+                    FencedDeferredFreeQueue deferred, const int64_t* handles,
+                    int64_t own_owner, vector[PyObject*]* foreign_out) except -1:
     # The loop of pool_free_blocks over items[0], items[step], ... (n of them, borrowed
     # references the caller keeps alive), or, when `handles` is not NULL, over the
     # blocks named by handles[0 .. n-1] of `deferred` (resolved as the loop goes;
     # `own_owner` is the owner index of `queue` there, -1 if none). No Python code
     # runs and nothing that could start a garbage collection is allocated until the
     # loop and its undo are done, so the items cannot change under it.
+    #
+    # On success every block of this pool is freed and linked, other pools' blocks
+    # are in *foreign_out (owned references), and still no Python code has run: the
+    # caller can record the free (e.g. drop a deferred entry) before anything else
+    # happens, then forward the foreign blocks and call _release_parked(). On error
+    # nothing is changed, parked objects are released, and the exception is raised.
     cdef HandleTable ht
     cdef int64_t h, hslot
     cdef int32_t fast_slot
@@ -1264,9 +1320,9 @@ cdef object _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** item
     cdef PyObject** foreign
     cdef kvpool_refbatch rb
     cdef object culprit
-    cdef list blocks
-    cdef dict others
-    # Scratch space of the queue (no allocation per call once it has grown).
+    # Scratch space of the queue (no allocation per call once it has grown). Only the
+    # loop and its links use it, before any Python code (which could call into this
+    # queue again) can run.
     queue._scratch.resize(2 * n)
     first = queue._scratch.data()
     last = first + n
@@ -1337,6 +1393,13 @@ cdef object _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** item
         k += 1
     rb.d[1] -= n10
     rb.d[0] += n10
+    if err == E_NONE and nforeign:
+        # The forwarded blocks leave the scratch space before anything else can use it.
+        try:
+            foreign_out.assign(foreign, foreign + nforeign)
+        except MemoryError:
+            err = E_NO_MEMORY
+            k = n  # undo everything; the error names no block
     if err != E_NONE:
         # Undo: every block before the failing one that is neither null nor another
         # pool's was decremented once per occurrence. Nothing was linked yet.
@@ -1350,10 +1413,10 @@ cdef object _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** item
                 continue
             _read_refs(o, &refs)
             _put_refs(o, refs + 1, &rb)  # restores the value it had (cannot overflow)
-        if handles is NULL:
-            culprit = <object>items[k * step]
-        elif err == E_TAKEN_OVER or err == E_CORRUPT_HANDLE:
+        if k == n or err == E_TAKEN_OVER or err == E_CORRUPT_HANDLE:
             culprit = None
+        elif handles is NULL:
+            culprit = <object>items[k * step]
         else:
             culprit = <object>_handle_to_block(deferred, handles[k], &ht, &action)
         if culprit is not None and err == E_DOUBLE_FREE:
@@ -1366,26 +1429,16 @@ cdef object _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** item
         queue._list.prepend_n_unchecked(first, <int32_t>nfirst)
     if nlast:
         queue._list.append_n_unchecked(last, <int32_t>nlast)
-    if nforeign == 0:
-        _flush(&rb)
-        return None
-    # Own the forwarded blocks before anything (an allocation) can run Python code.
     for j in range(nforeign):
-        Py_INCREF_ptr(foreign[j])
-    try:
-        blocks = PyList_New(nforeign)
-    except BaseException:
-        for j in range(nforeign):
-            Py_DECREF_ptr(foreign[j])
-        _flush(&rb)
-        raise
-    for j in range(nforeign):
-        kvpool_list_items(<PyObject*>blocks)[j] = foreign[j]  # the list takes the reference
-    _flush(&rb)
-    others = {}
-    for obj in blocks:
-        others.setdefault((<KVCacheBlock>obj).pool, []).append(obj)
-    return others
+        Py_INCREF_ptr(deref(foreign_out)[j])
+    kvpool_refbatch_flush(&rb)  # (the ints' counts only: no Python code)
+    return 0
+
+
+cdef inline void _release_parked():
+    # Release replaced ref_cnt objects parked by the loops (may run Python code).
+    if PyList_GET_SIZE(_GRAVEYARD):
+        del _GRAVEYARD[:]
 
 
 def pool_touch(FreeKVCacheBlockQueue queue not None, object blocks):
@@ -1646,7 +1699,6 @@ cdef class FencedDeferredFreeQueue:
     cdef list _loose
     cdef vector[int64_t] _handles
     cdef vector[int64_t] _out
-    cdef vector[PyObject*] _ptrs
 
     def __cinit__(self):
         self._owners = []
@@ -1680,31 +1732,50 @@ cdef class FencedDeferredFreeQueue:
         self._loose.append(obj)
         return (_LOOSE_OWNER << 32) | <int64_t>(len(self._loose) - 1)
 
-    cdef int _resolve(self, size_t begin, size_t end, const int64_t* handles,
-                      PyObject** out) except -1:
-        # Handles [begin, end) -> borrowed block pointers, checked (_handle_to_block).
-        cdef size_t i
+    cdef int _take(self, size_t begin, size_t end, vector[PyObject*]& out) except -1:
+        # The blocks named by handles [begin, end) of the queue's buffer, appended to
+        # `out` as owned references. Resolving and taking the references runs no
+        # Python code, so the entries cannot change in between. On an error nothing
+        # is appended.
+        cdef size_t i, base = out.size()
         cdef HandleTable t
         cdef int err = E_NONE
+        cdef PyObject* obj
+        cdef const int64_t* handles
+        out.resize(base + (end - begin))  # may raise MemoryError; nothing taken yet
+        handles = self._q.handles()
         t.current = -1
         for i in range(begin, end):
-            out[i - begin] = _handle_to_block(self, handles[i], &t, &err)
-            if out[i - begin] is NULL:
+            obj = _handle_to_block(self, handles[i], &t, &err)
+            if obj is NULL:
+                out.resize(base)
                 _raise_loop_error(err, None, "deferred free", 0)
+            out[base + i - begin] = obj
+        for i in range(base, out.size()):
+            Py_INCREF_ptr(out[i])
         return 0
 
-    cdef list _objects(self, size_t begin, size_t end, const int64_t* handles, bint reverse):
-        # Handles -> a new list of the block objects (in reverse when `reverse`).
+    cdef list _list_of(self, vector[PyObject*]& refs, size_t begin, size_t end, bint reverse):
+        # A new list taking over the references refs[begin:end] (in reverse when
+        # `reverse`); they are released if the list cannot be made.
         cdef size_t n = end - begin, i
-        cdef PyObject* obj
-        self._ptrs.resize(n)
-        self._resolve(begin, end, handles, self._ptrs.data())
-        cdef list out = PyList_New(<Py_ssize_t>n)
+        cdef list out
+        try:
+            out = PyList_New(<Py_ssize_t>n)
+        except BaseException:
+            for i in range(begin, end):
+                Py_DECREF_ptr(refs[i])
+            raise
         for i in range(n):
-            obj = self._ptrs[n - 1 - i if reverse else i]
-            Py_INCREF_ptr(obj)
-            kvpool_list_items(<PyObject*>out)[i] = obj
+            kvpool_list_items(<PyObject*>out)[i] = refs[end - 1 - i if reverse else begin + i]
         return out
+
+    cdef list _objects(self, size_t index, bint reverse):
+        # Entry `index`'s blocks as a new list (in reverse when `reverse`).
+        cdef vector[PyObject*] refs
+        cdef FencedFreeQueue.Entry e = self._q.entry(index)
+        self._take(e.begin, e.end, refs)
+        return self._list_of(refs, 0, refs.size(), reverse)
 
     cdef void _maybe_reset_tables(self):
         if self._q.empty():
@@ -1760,16 +1831,39 @@ cdef class FencedDeferredFreeQueue:
             BlockStateError: a queued block was taken over by another free queue;
                 nothing is removed then.
         """
-        cdef size_t ready, e
+        cdef size_t ready, e, start, taken_from = 0
         cdef FencedFreeQueue.Entry entry
+        cdef vector[PyObject*] refs
+        cdef vector[size_t] ends
         cdef list result = []
         ready = self._q.ready_entries(<int64_t>_index(processed_step_seq))
-        # Resolve every ready entry before removing any, so a failure loses nothing.
-        for e in range(ready):
-            entry = self._q.entry(e)
-            result.append(self._objects(entry.begin, entry.end, self._q.handles(), False))
+        # Take every ready entry's blocks (owned references) and only then remove the
+        # entries, with no Python code in between: a failure removes nothing, and
+        # Python code that runs while the lists are built (a collection) sees the
+        # queue already without them.
+        try:
+            ends.reserve(ready)
+            for e in range(ready):
+                entry = self._q.entry(e)
+                self._take(entry.begin, entry.end, refs)
+                ends.push_back(refs.size())
+        except BaseException:
+            for e in range(refs.size()):
+                Py_DECREF_ptr(refs[e])
+            raise
         self._q.discard_front(ready)
-        self._maybe_reset_tables()
+        try:
+            for e in range(ready):
+                # refs[:taken_from] are handed over (_list_of releases its range if it fails).
+                start = taken_from
+                taken_from = ends[e]
+                result.append(self._list_of(refs, start, taken_from, False))
+        except BaseException:
+            for e in range(taken_from, refs.size()):
+                Py_DECREF_ptr(refs[e])
+            raise
+        finally:
+            self._maybe_reset_tables()
         return result
 
     def free_ready(self, processed_step_seq, pool):
@@ -1798,26 +1892,35 @@ cdef class FencedDeferredFreeQueue:
         cdef bint enable_caching
         cdef size_t n
         cdef Py_ssize_t freed = 0
+        cdef int64_t own_owner
+        cdef vector[PyObject*] foreign
         queue_obj = pool.free_block_queue
         if not isinstance(queue_obj, FreeKVCacheBlockQueue):
             raise TypeError(
                 f"free_ready() needs a pool with a kvpool free queue, got {type(queue_obj).__name__}")
         queue = <FreeKVCacheBlockQueue>queue_obj
         enable_caching = bool(pool.enable_caching)
-        while not self._q.empty() and self._q.entry(0).fence_seq <= processed:
-            entry = self._q.entry(0)
-            n = entry.end - entry.begin
-            others = None
-            if n:
-                own = self._owner_index.get(id(queue))
-                others = _free_core(pool, queue, NULL, <Py_ssize_t>n, 1, enable_caching,
-                                    self, self._q.handles() + entry.begin,
-                                    -1 if own is None else <int64_t>own)
-            self._q.discard_front(1)
-            freed += 1
-            if others:
-                for other_pool, blocks in others.items():
-                    other_pool.free_blocks(blocks)
+        queue_id = id(queue)
+        try:
+            while not self._q.empty() and self._q.entry(0).fence_seq <= processed:
+                own = self._owner_index.get(queue_id)
+                own_owner = -1 if own is None else <int64_t>own
+                # From here until the entry is dropped no Python code runs (_free_core's
+                # contract), so the entry cannot be freed twice, by a re-entrant call or
+                # after an error.
+                entry = self._q.entry(0)
+                n = entry.end - entry.begin
+                if n:
+                    _free_core(pool, queue, NULL, <Py_ssize_t>n, 1, enable_caching,
+                               self, self._q.handles() + entry.begin, own_owner, &foreign)
+                self._q.discard_front(1)
+                freed += 1
+                if foreign.size():
+                    others = _forwarded(foreign)
+                    for other_pool, blocks in others.items():
+                        other_pool.free_blocks(blocks)
+        finally:
+            _release_parked()
         self._maybe_reset_tables()
         return freed
 
@@ -1835,9 +1938,11 @@ cdef class FencedDeferredFreeQueue:
         cdef size_t i
         cdef FencedFreeQueue.Entry e
         out = []
-        for i in range(self._q.num_entries()):
-            e = self._q.entry(i)
-            out.append((e.fence_seq, self._objects(e.begin, e.end, self._q.handles(), False)))
+        i = 0
+        while i < self._q.num_entries():  # (re-read: building a list may run Python code)
+            fence = self._q.entry(i).fence_seq
+            out.append((fence, self._objects(i, False)))
+            i += 1
         return out
 
     # -- vLLM 0.33.0 deque view (blocks in reverse eviction order) ------------------------------
@@ -1850,13 +1955,18 @@ cdef class FencedDeferredFreeQueue:
     def popleft(self):
         """Remove and return the first entry as ``(fence_seq, blocks)`` in vLLM 0.33.0's
         convention, regardless of its fence. Raises IndexError if empty."""
+        cdef vector[PyObject*] refs
+        cdef FencedFreeQueue.Entry e
         if self._q.empty():
             raise IndexError("pop from an empty deque")
-        item = self[0]
+        e = self._q.entry(0)
+        self._take(e.begin, e.end, refs)  # owned, then removed: no Python code between
         self._out.clear()
         self._q.pop_front(self._out)
-        self._maybe_reset_tables()
-        return item
+        try:
+            return (e.fence_seq, self._list_of(refs, 0, refs.size(), True))
+        finally:
+            self._maybe_reset_tables()
 
     def clear(self):
         self._q.clear()
@@ -1876,8 +1986,7 @@ cdef class FencedDeferredFreeQueue:
             i += n
         if i < 0 or i >= n:
             raise IndexError("deque index out of range")
-        e = self._q.entry(<size_t>i)
-        return (e.fence_seq, self._objects(e.begin, e.end, self._q.handles(), True))
+        return (self._q.entry(<size_t>i).fence_seq, self._objects(<size_t>i, True))
 
     def __iter__(self):
         for i in range(len(self)):
