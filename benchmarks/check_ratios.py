@@ -26,7 +26,8 @@ def main(path: str) -> int:
     for r in rows:
         ok = r["target"] is None or r["ratio"] >= r["target"]
         bad += not ok
-        print(f"{r['group']:<28}{r['ratio']:>8.1f}x  target {r['target']}x  {'ok' if ok else 'BELOW'}")
+        target = f"{r['target']}x" if r["target"] is not None else "none"
+        print(f"{r['group']:<28}{r['ratio']:>8.1f}x  target {target:<6}{'ok' if ok else 'BELOW'}")
     return 1 if bad else 0
 
 

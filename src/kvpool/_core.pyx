@@ -1192,7 +1192,9 @@ def pool_free_blocks(object pool, FreeKVCacheBlockQueue queue not None,
         TypeError: not a kvpool block, or ``ref_cnt`` / ``is_null`` of the wrong type.
         BlockStateError: double free (``ref_cnt`` already 0 or the block is already
             free) or a block of another pool's queue with ``pool`` unset. Nothing
-            changes in this pool when anything is raised.
+            changes in this pool when one of these is raised (an error while the
+            other pools' blocks are grouped, after this pool's part is done, leaves
+            that part done).
     """
     cdef Py_ssize_t start, step, n
     cdef list seq = _source(ordered_blocks, &start, &step, &n)
