@@ -147,6 +147,24 @@ def test_an_int_subclass_ref_cnt_with_a_finalizer_runs_after_the_loop():
     pool.free_blocks(blocks)
     pool.free_block_queue.check_invariants()
 
+    # unpin_blocks: the finalizer runs after the released blocks are linked, so
+    # freeing one of them from there is a clean double free, not a double link.
+    blocks = pool.get_new_blocks(2)
+    errors = []
+
+    class FreesAgain(int):
+        def __del__(self):
+            try:
+                pool.free_blocks([blocks[0]])
+            except Exception as e:  # noqa: BLE001 - recorded and checked below
+                errors.append(type(e).__name__)
+
+    blocks[0].ref_cnt = FreesAgain(1)
+    pool.unpin_blocks(blocks, on_reuse=lambda block: None)
+    assert errors == ["BlockStateError"]
+    assert [b.ref_cnt for b in blocks] == [0, 0] and all(b in pool.free_block_queue for b in blocks)
+    pool.free_block_queue.check_invariants()
+
 
 def test_error_messages_run_no_user_code_before_the_undo():
     """A block_id that formats itself by mutating the caller's list cannot reach the

@@ -1575,6 +1575,9 @@ def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,
     cdef long refs
     cdef int32_t capacity = queue._list.capacity()
     cdef vector[int32_t] released
+    cdef kvpool_refbatch rb
+    kvpool_refbatch_init(&rb)
+    released.reserve(n)
     try:
         while i < n:
             b = _as_block(<object>PyList_GET_ITEM(blist, i))
@@ -1582,21 +1585,28 @@ def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,
             if (_is_null(b) or refs <= 0 or b._queue is not queue
                     or not (0 <= b._slot < capacity) or queue._list.contains_unchecked(b._slot)):
                 raise BlockStateError(
-                    f"unpin_blocks(): block {b.block_id} is null, not held (ref_cnt={refs}) "
-                    "or not in this pool")
-            _set_ref_cnt(b, refs - 1)
+                    f"unpin_blocks(): block {_id_text(<PyObject*>b)} is null, not held "
+                    f"(ref_cnt={refs}) or not in this pool")
+            # (the replaced ref_cnt object is parked: its release could run Python code)
+            if _put_refs(<PyObject*>b, refs - 1, &rb) != E_NONE:
+                raise MemoryError("unpin_blocks(): no memory for a ref_cnt")
             if refs == 1:
                 released.push_back(b._slot)
             i += 1
     except BaseException:
+        kvpool_refbatch_flush(&rb)
         for j in range(i):
             b = <KVCacheBlock>PyList_GET_ITEM(blist, j)
             _set_ref_cnt(b, _ref_cnt(b) + 1)
+        _flush(&rb)
         raise
-    for i in range(n):
-        reuse_watchers[_block_id(<KVCacheBlock>PyList_GET_ITEM(blist, i))] = on_reuse
+    # Link before anything can run Python code (parked objects, a block_id's
+    # __hash__ while registering the watchers).
     if released.size():
         queue._list.append_n_unchecked(released.data(), <int32_t>released.size())
+    _flush(&rb)
+    for i in range(n):
+        reuse_watchers[_block_id(<KVCacheBlock>PyList_GET_ITEM(blist, i))] = on_reuse
 
 
 def pool_blocks_to_evict(object blocks, object block_ids,
