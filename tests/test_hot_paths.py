@@ -147,22 +147,24 @@ def test_an_int_subclass_ref_cnt_with_a_finalizer_runs_after_the_loop():
     pool.free_blocks(blocks)
     pool.free_block_queue.check_invariants()
 
-    # unpin_blocks: the finalizer runs after the released blocks are linked, so
-    # freeing one of them from there is a clean double free, not a double link.
+    # unpin_blocks: the finalizer runs only after the released blocks are linked, so
+    # from there a released block is a normal free block (a prefix-cache hit can
+    # take it again).
     blocks = pool.get_new_blocks(2)
     errors = []
 
-    class FreesAgain(int):
+    class TouchesAgain(int):
         def __del__(self):
             try:
-                pool.free_blocks([blocks[0]])
+                pool.touch([blocks[0]])
             except Exception as e:  # noqa: BLE001 - recorded and checked below
                 errors.append(type(e).__name__)
 
-    blocks[0].ref_cnt = FreesAgain(1)
+    blocks[0].ref_cnt = TouchesAgain(1)
     pool.unpin_blocks(blocks, on_reuse=lambda block: None)
-    assert errors == ["BlockStateError"]
-    assert [b.ref_cnt for b in blocks] == [0, 0] and all(b in pool.free_block_queue for b in blocks)
+    assert errors == []
+    assert [b.ref_cnt for b in blocks] == [1, 0]
+    assert blocks[0] not in pool.free_block_queue and blocks[1] in pool.free_block_queue
     pool.free_block_queue.check_invariants()
 
 
