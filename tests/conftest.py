@@ -42,3 +42,17 @@ def _always_uninstall():
 
     if kvpool.is_installed():
         kvpool.uninstall()
+
+
+@pytest.fixture(params=[True, False], ids=["small-int-fast-path", "slow-path"])
+def small_int_path(request):
+    """Run the test with the block loops' small-int fast path on, then off (every
+    ref_cnt then takes the checked slow path)."""
+    from kvpool._core import _set_small_int_fast_path
+
+    if not request.param:
+        _set_small_int_fast_path(False)
+    try:
+        yield request.param
+    finally:
+        assert _set_small_int_fast_path(True)

@@ -30,7 +30,7 @@ def state(pool):
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("with_collector", [False, True])
-def test_random_workload_matches_vllm_block_pool(seed, with_collector):
+def test_random_workload_matches_vllm_block_pool(seed, with_collector, small_int_path):
     """Same random alloc / cache / touch / free / evict sequence on vLLM's pool and
     kvpool's: identical free-queue order, ref counts, hashes and KV events."""
     rng = random.Random(seed)

@@ -63,7 +63,7 @@ def hashed(pool: BlockPool, blocks, tag: str) -> None:
         pool._insert_block_hash(make_block_hash_with_group_id(f"{tag}{i}".encode(), 0), block, 16 * (i + 1))
 
 
-def test_small_int_reference_counts_stay_balanced():
+def test_small_int_reference_counts_stay_balanced(small_int_path):
     """Every path that changes ref_cnt (fast transitions, other small values, values
     beyond the cache, errors and their undo, the native drain) moves the ints'
     reference counts exactly as plain Python assignments would, checked after each
@@ -211,7 +211,7 @@ def _fill(queue: FencedDeferredFreeQueue, pool: BlockPool, other: BlockPool) -> 
     queue.push(5, list(reversed(pool.get_new_blocks(2))))  # fence not met below
 
 
-def test_free_ready_frees_like_drain_then_free_blocks():
+def test_free_ready_frees_like_drain_then_free_blocks(small_int_path):
     """The native drain leaves the free queues (order, front/tail placement, other
     pools' blocks forwarded) exactly as draining and calling free_blocks per entry."""
     native, native_other = _two_pools()

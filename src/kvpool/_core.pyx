@@ -59,6 +59,7 @@ cdef extern from "fastint.h":
     int KVPOOL_SI_MAX
     int KVPOOL_BATCHED
     int kvpool_si_init()
+    void kvpool_si_disable()
     long kvpool_si_value(PyObject* p)
     bint kvpool_long_read(PyObject* p, long* out)
     void kvpool_prefetch_block(const void* p)
@@ -136,6 +137,15 @@ if not kvpool_si_init():  # pragma: no cover - every CPython checked has the arr
     import warnings
     warnings.warn("kvpool: small-int fast path unavailable on this interpreter; "
                   "block loops use the checked slow path", RuntimeWarning)
+
+def _set_small_int_fast_path(bint enabled):
+    """Turn the small-int fast path of the block loops on or off (for tests of the
+    checked slow path; call between pool operations). Returns whether it is on."""
+    if enabled:
+        return bool(kvpool_si_init())
+    kvpool_si_disable()
+    return False
+
 
 # Old ref_cnt objects that are not exact ints (an int subclass could run __del__) are
 # parked here while a loop runs and released after it.

@@ -66,6 +66,14 @@ static int kvpool_si_init(void) {
   return ok;
 }
 
+/* Turn the fast path off (every access then takes the checked slow path); for tests
+ * of that path. Call between pool operations only (kvpool_si_init turns it back on). */
+static void kvpool_si_disable(void) {
+  kvpool_si_zero = &kvpool_si_never;
+  kvpool_si_shift = 0;
+  kvpool_si_span = 0;
+}
+
 /* Value of p if it is the interpreter's cached int 0..KVPOOL_SI_MAX, else -1.
  * Reads nothing from *p. */
 static inline long kvpool_si_value(PyObject* p) {
