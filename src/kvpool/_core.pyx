@@ -607,6 +607,11 @@ cdef class FreeKVCacheBlockQueue:
         # A pool's blocks are created on first use (make_pool_blocks): block_id ==
         # slot, owned by this queue and the pool.
         cdef KVCacheBlock b = KVCacheBlock.__new__(KVCacheBlock)
+        # Creating the object may have started a collection whose Python code created
+        # this very block already: there is one object per slot, keep that one.
+        existing = <object>PyList_GET_ITEM(self._blocks, slot)
+        if existing is not None:
+            return existing
         if slot < 1024:
             _store(&b._block_id_o, <object>PyList_GET_ITEM(_SMALL_INTS, slot))
         else:
@@ -679,29 +684,49 @@ cdef class FreeKVCacheBlockQueue:
         return self.fake_free_list_head if other < 0 else self._block_at(other)
 
     cdef list _pop_front(self, int32_t n):
+        # Local buffers, not the queue's scratch space: creating a block object may
+        # run Python code that uses this queue. The list is built last, so Python
+        # code never sees it half filled.
         cdef list out
-        cdef Py_ssize_t i
-        cdef object b
+        cdef Py_ssize_t i = 0, j, nback = 0
+        cdef vector[int32_t] slots
+        cdef vector[PyObject*] refs
         if n < 0:
             raise ValueError(f"cannot pop a negative number of blocks ({n})")
         if n > self._list.size():
             raise ValueError(f"cannot pop {n} blocks: only {self._list.size()} free")
-        self._scratch.resize(n)
-        self._list.popleft_n(n, self._scratch.data())
-        out = PyList_New(n)
+        slots.resize(n)
+        refs.resize(n)
+        self._list.popleft_n(n, slots.data())
+        try:
+            while i < n:
+                b = self._block_at(slots[i])
+                Py_INCREF(b)
+                refs[i] = <PyObject*>b
+                i += 1
+            out = PyList_New(n)
+        except BaseException:
+            for j in range(i):
+                Py_DECREF_ptr(refs[j])
+            for j in range(n):  # back in front, in order, unless already back
+                if not self._list.contains(slots[j]):
+                    slots[nback] = slots[j]
+                    nback += 1
+            if nback:
+                self._list.prepend_n_unchecked(slots.data(), <int32_t>nback)
+            raise
         for i in range(n):
-            b = self._block_at(self._scratch[i])
-            Py_INCREF(b)
-            PyList_SET_ITEM(out, i, b)
+            kvpool_list_items(<PyObject*>out)[i] = refs[i]  # the list takes the reference
         return out
 
-    cdef int _collect_slots(self, object blocks) except -1:
-        # Slots of `blocks` into self._scratch; adopts blocks that no queue owns.
+    cdef int _collect_slots(self, object blocks, vector[int32_t]& slots) except -1:
+        # Slots of `blocks` into `slots` (a caller's local buffer: adopting a block may
+        # run Python code that uses this queue); adopts blocks that no queue owns.
         cdef list blist = _private_list(blocks)
         cdef Py_ssize_t n = PyList_GET_SIZE(blist), i
         cdef object obj
         cdef KVCacheBlock b
-        self._scratch.resize(n)
+        slots.resize(n)
         for i in range(n):
             obj = <object>PyList_GET_ITEM(blist, i)
             if not isinstance(obj, KVCacheBlock):
@@ -709,7 +734,7 @@ cdef class FreeKVCacheBlockQueue:
             b = <KVCacheBlock>obj
             if b._queue is None:
                 self._register(b)
-            self._scratch[i] = self._slot_of(b)
+            slots[i] = self._slot_of(b)
         return 0
 
     # -- vLLM 0.33.0 API ---------------------------------------------------------------------
@@ -766,11 +791,12 @@ cdef class FreeKVCacheBlockQueue:
     def append(self, KVCacheBlock block not None):
         """Put a block at the tail (evicted last). Raises BlockStateError if it is
         already free or belongs to another queue."""
+        cdef vector[int32_t] slots
         if self._tail_cut:
             raise RuntimeError("prev_free_block of fake_free_list_tail should always exist")
-        self._collect_slots([block])
+        self._collect_slots([block], slots)
         try:
-            self._list.append_n(self._scratch.data(), 1)
+            self._list.append_n(slots.data(), 1)
         except ValueError as e:
             raise BlockStateError(f"append() of block {block.block_id}: {e}") from None
 
@@ -783,18 +809,19 @@ cdef class FreeKVCacheBlockQueue:
         self._insert(blocks, True)
 
     cdef _insert(self, blocks, bint front):
+        cdef vector[int32_t] slots
         if not blocks:
             return
         if front:
             self._check_head()
         else:
             self._check_tail()
-        self._collect_slots(blocks)
+        self._collect_slots(blocks, slots)
         try:
             if front:
-                self._list.prepend_n(self._scratch.data(), <int32_t>self._scratch.size())
+                self._list.prepend_n(slots.data(), <int32_t>slots.size())
             else:
-                self._list.append_n(self._scratch.data(), <int32_t>self._scratch.size())
+                self._list.append_n(slots.data(), <int32_t>slots.size())
         except ValueError as e:
             raise BlockStateError(f"{'prepend_n' if front else 'append_n'}(): {e}") from None
 
