@@ -83,9 +83,13 @@ class FreeBlockList {
     next_[prev_node] = node;
     prev_[next_node] = node;
     ++size_;
+    ++insertions_;
   }
   // contains() without the range check; `slot` must be in [0, capacity).
   bool contains_unchecked(int32_t slot) const { return prev_[slot + kFirst] >= 0; }
+  // Slots ever put into the list (a counter that only grows): a caller that ran
+  // foreign code can tell whether anything was freed in the meantime.
+  uint64_t insertions() const { return insertions_; }
   // Per slot, a value >= 0 exactly when the slot is free (its prev link): for loops
   // that test many slots. Valid until the capacity changes (grow).
   const int32_t* free_marks() const { return prev_.data() + kFirst; }
@@ -131,6 +135,7 @@ class FreeBlockList {
 
   int32_t capacity_ = 0;
   int32_t size_ = 0;
+  uint64_t insertions_ = 0;
   std::vector<int32_t> prev_;
   std::vector<int32_t> next_;
 };
@@ -282,6 +287,7 @@ inline void FreeBlockList::link_run_after(int32_t anchor, const int32_t* slots, 
   next_[last] = after;
   prev_[after] = last;
   size_ += n;
+  insertions_ += static_cast<uint64_t>(n);
 }
 
 inline void FreeBlockList::append(int32_t slot) { append_n(&slot, 1); }

@@ -235,13 +235,59 @@ def test_get_new_blocks_rollback_skips_blocks_a_callback_already_put_back(hook):
         block.reset_hash()
 
     q = pool.free_block_queue
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError) as info:
         pool_get_new_blocks(q, 4, True, {}, evict)
     q.check_invariants()
-    assert pool.get_num_free_blocks() == 7
-    assert sorted(q.free_block_ids()) == list(range(1, 8))
+    # The hook put a block into the free list, so the blocks this call had already
+    # set to ref_cnt 1 may have been freed and taken again by someone: they are left
+    # held (named in a note), never linked twice or taken from another holder.
+    left = [1, 2] if hook == "append_it" else [2]
+    assert f"slots {left}" in "".join(getattr(info.value, "__notes__", []))
+    free = set(q.free_block_ids())
+    assert free == set(range(1, 8)) - set(left)
+    assert all(pool.blocks[i].ref_cnt == (1 if i in left else 0) for i in range(1, 8))
+    assert len(pool.get_new_blocks(len(free))) == len(free)
+
+
+def test_get_new_blocks_rollback_puts_everything_back_when_nothing_was_freed_meanwhile():
+    pool = BlockPool(8, True, 16)
+    for blk in pool.blocks[1:]:
+        blk._block_hash = ("h", blk.block_id)
+
+    def evict(block):
+        if block.block_id == 3:
+            raise KeyError("eviction hook failed")
+        block.reset_hash()
+
+    before = pool.free_block_queue.free_block_ids()
+    with pytest.raises(KeyError):
+        pool_get_new_blocks(pool.free_block_queue, 5, True, {}, evict)
+    assert pool.free_block_queue.free_block_ids() == before
     assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
-    assert len(pool.get_new_blocks(7)) == 7
+
+
+def test_get_new_blocks_rollback_never_takes_a_block_back_from_its_new_holder():
+    """A hook that frees a block of the running allocation and lets another request
+    take it again (same ref_cnt as before: an ABA) must not have it linked back."""
+    pool = BlockPool(8, True, 16)
+    for blk in pool.blocks[1:]:
+        blk._block_hash = ("h", blk.block_id)
+    taken_again = []
+
+    def evict(block):
+        if block.block_id == 3:
+            first = pool.blocks[1]
+            pool.free_blocks([first])
+            pool.touch([first])  # another request takes it: ref_cnt 1, off the list
+            taken_again.append(first)
+            raise KeyError("eviction hook failed")
+        block.reset_hash()
+
+    with pytest.raises(KeyError):
+        pool_get_new_blocks(pool.free_block_queue, 4, True, {}, evict)
+    (first,) = taken_again
+    assert first.ref_cnt == 1 and first not in pool.free_block_queue
+    pool.free_block_queue.check_invariants()
 
 
 def test_get_new_blocks_checks_ref_cnt_after_the_eviction_callback():
@@ -388,3 +434,47 @@ def test_a_subclass_eviction_hook_sees_every_allocated_block_like_vllm():
         pool.free_blocks(reversed(pool.get_new_blocks(5)))
         pool.get_new_blocks(7)
     assert seen[BlockPool] == seen[VllmBlockPool] == [1, 2, 3, 4, 5, 5, 4, 3, 2, 1, 6, 7]
+
+
+# --- findings of a third break-it session (re-entrancy through Python code) -----------
+def test_get_new_blocks_rereads_the_block_table_after_a_block_ids_hash():
+    pool = BlockPool(2_000, True, 16)
+    q = pool.free_block_queue
+    pool.free_blocks(pool.get_new_blocks(5))  # blocks 1..5 exist, back at the front
+
+    class GrowingId:
+        fired = False
+
+        def __hash__(self):
+            if not GrowingId.fired:
+                GrowingId.fired = True  # the queue's block table is reallocated
+                q.append_n([KVCacheBlock(10**6 + i) for i in range(50_000)])
+            return 12345
+
+        def __eq__(self, other):
+            return False
+
+    q.prepend_n([KVCacheBlock(GrowingId())])  # adopted, first in line
+    got = pool_get_new_blocks(q, 4, True, {-1: set()}, lambda block: None)
+    assert GrowingId.fired
+    assert [type(b.block_id).__name__ for b in got] == ["GrowingId", "int", "int", "int"]
+    assert [b.block_id for b in got[1:]] == [1, 2, 3] and all(b.ref_cnt == 1 for b in got)
+    q.check_invariants()
+
+
+def test_a_finalizer_pushing_while_the_deferred_tables_reset_sees_fresh_tables():
+    pool_a, pool_b = BlockPool(16, True, 16), BlockPool(16, True, 16)
+    a, b = pool_a.get_new_blocks(3), pool_b.get_new_blocks(3)
+    q = FencedDeferredFreeQueue()
+
+    class Loose:
+        def __del__(self):
+            q.push(0, [a[0]])  # runs while clear() drops the old tables
+
+    q.push(0, [a[1], Loose()])
+    q.clear()
+    q.push(5, [b[2]])
+    assert [(f, [x.block_id for x in blocks]) for f, blocks in q.entries()] == [(0, [1]), (5, [3])]
+    assert q.entries()[0][1][0] is a[0]
+    assert q.free_ready(0, pool_a) == 1
+    assert a[0].ref_cnt == 0 and b[0].ref_cnt == 1 and b[0] not in pool_b.free_block_queue

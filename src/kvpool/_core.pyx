@@ -21,7 +21,8 @@ cimport cython
 from cpython.list cimport PyList_New, PyList_SET_ITEM, PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from cpython.object cimport Py_TYPE
-from libc.stdint cimport int32_t, int64_t, uint32_t
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+import sys
 from libcpp.vector cimport vector
 from cython.operator cimport dereference as deref
 
@@ -1017,6 +1018,7 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     cdef const int32_t* next_links
     cdef int32_t node, slot
     cdef long refs
+    cdef uint64_t insertions
     if n < 0:
         raise ValueError(f"cannot get a negative number of blocks ({n})")
     if n > queue._list.size() + queue._count_offset:
@@ -1054,8 +1056,10 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     # The rest, popped first, one block at a time.
     if i < n:
         queue._list.popleft_n(<int32_t>(n - i), popped.data() + i)
+    insertions = queue._list.insertions()
     try:
         while i < n:
+            table = kvpool_list_items(<PyObject*>queue._blocks)  # Python code may have run
             o = table[popped[i]]
             if o == none:
                 rb.d[0] -= n01  # a creation may run Python code (gc): settle counts
@@ -1063,8 +1067,7 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
                 n01 = 0
                 kvpool_refbatch_flush(&rb)
                 queue._block_at(popped[i])  # creates it in the table
-                table = kvpool_list_items(<PyObject*>queue._blocks)
-                o = table[popped[i]]
+                o = kvpool_list_items(<PyObject*>queue._blocks)[popped[i]]
                 if not isinstance(<object>o, KVCacheBlock):
                     raise BlockStateError(f"free slot {popped[i]} holds no block; the pool is corrupted")
             Py_INCREF_ptr(o)
@@ -1077,7 +1080,6 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
                 n01 = 0
                 kvpool_refbatch_flush(&rb)
                 evict_cached_block(<object>o)
-                table = kvpool_list_items(<PyObject*>queue._blocks)
             if (<KVCacheBlock>o)._ref_cnt_o == zero:
                 (<KVCacheBlock>o)._ref_cnt_o = one  # the common case, counted in n01
                 n01 += 1
@@ -1095,19 +1097,27 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
         rb.d[1] += n01
         kvpool_refbatch_flush(&rb)
         # Put back, in their old order and unheld, the popped blocks that are still
-        # off the free list and still as this call left them; Python code that ran in
-        # between (a callback, a finalizer) may have freed or taken some of them.
+        # off the free list and still as this call left them. Python code that ran in
+        # between (a callback, a finalizer) may have freed some of them, or freed and
+        # taken them again: if anything was put into the free list meanwhile, a block
+        # this call set to ref_cnt 1 may be someone else's now, and is left as it is.
+        queue_changed = queue._list.insertions() != insertions
+        left = []
         for j in range(n):
             slot = popped[j]
             if queue._list.contains(slot):
                 continue  # already back in the free list
             if j < nset:  # this call set ref_cnt 1
                 o = taken[j]
-                if not _read_refs(o, &refs) or refs != 1:
-                    continue  # someone else holds it now
+                if not _read_refs(o, &refs) or refs != 1 or queue_changed:
+                    left.append(slot)
+                    continue
                 _put_refs(o, 0, &rb)
-            elif j < i and _read_refs(taken[j], &refs) and refs != 0:
-                continue  # not set by this call, but held now (a callback took it)
+            else:
+                o = taken[j] if j < i else kvpool_list_items(<PyObject*>queue._blocks)[slot]
+                if o != none and _read_refs(o, &refs) and refs != 0:
+                    left.append(slot)  # not set by this call, but held now
+                    continue
             popped[nback] = slot
             nback += 1
         if nback:
@@ -1115,6 +1125,13 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
         for j in range(i):
             Py_DECREF_ptr(taken[j])
         _flush(&rb)
+        if left:
+            exc = sys.exc_info()[1]
+            if hasattr(exc, "add_note"):
+                exc.add_note(
+                    f"kvpool: get_new_blocks() left blocks in slots {left} as the Python "
+                    "code that ran during the call left them (freed and possibly taken "
+                    "again); the other popped blocks were put back")
         raise
     for j in range(n):
         kvpool_list_items(<PyObject*>ret)[j] = taken[j]  # the list takes the reference
@@ -1827,11 +1844,16 @@ cdef class FencedDeferredFreeQueue:
         return self._list_of(refs, 0, refs.size(), reverse)
 
     cdef void _maybe_reset_tables(self):
+        # Fresh tables first, the old ones dropped last: dropping a loose object can
+        # run its __del__, which may push again and must see consistent tables.
         if self._q.empty():
-            self._owners.clear()
-            self._owner_index.clear()
-            self._loose.clear()
+            old = (self._owners, self._owner_index, self._loose, self._last_owner)
+            self._owners = []
+            self._owner_index = {}
+            self._loose = []
             self._last_owner = None
+            self._last_owner_index = 0
+            del old
 
     # -- kvpool API (eviction order) -------------------------------------------------------
     def push(self, fence_seq, blocks):

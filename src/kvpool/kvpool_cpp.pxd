@@ -1,7 +1,7 @@
 # Declarations of the plain C++17 core in cpp/ (no Python headers there).
 # `except +` turns std::out_of_range into IndexError, std::invalid_argument into
 # ValueError and any other std::exception into RuntimeError.
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 from libcpp cimport bool as cbool
 from libcpp.vector cimport vector
 
@@ -28,6 +28,7 @@ cdef extern from "free_block_list.h" namespace "kvpool" nogil:
         void prepend_n_unchecked(const int32_t* slots, int32_t n)
         cbool contains_unchecked(int32_t slot)
         const int32_t* free_marks()
+        uint64_t insertions()
         const int32_t* next_links()
         void detach_front(const int32_t* slots, int32_t k)
         void remove_recording(int32_t slot, int32_t* prev_node, int32_t* next_node)
