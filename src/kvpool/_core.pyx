@@ -63,7 +63,6 @@ cdef extern from "fastint.h":
     void kvpool_si_disable()
     long kvpool_si_value(PyObject* p)
     bint kvpool_long_read(PyObject* p, long* out)
-    void kvpool_prefetch_block(const void* p)
     bint kvpool_si_enabled()
     PyObject* kvpool_si_obj(long v)
     ctypedef struct kvpool_refbatch:
@@ -153,12 +152,11 @@ def _set_small_int_fast_path(bint enabled):
 cdef list _GRAVEYARD = []
 
 
-cdef inline long _ref_cnt_of(PyObject* o) except? -1:
-    # o: a KVCacheBlock (borrowed). Raises like _ref_cnt for a bad field.
-    cdef long v = kvpool_si_value((<KVCacheBlock>o)._ref_cnt_o)
-    if v >= 0:
-        return v
-    return _ref_cnt(<KVCacheBlock>o)
+cdef inline void _fold_0_to_1(kvpool_refbatch* rb, Py_ssize_t count):
+    # Add `count` ref_cnt swaps 0 -> 1 (negative: 1 -> 0) that a loop counted in a
+    # register to the pending refcount deltas.
+    rb.d[0] -= count
+    rb.d[1] += count
 
 
 # Error codes of the free/touch loops. Those loops never raise while they run: they
@@ -629,32 +627,23 @@ cdef class FreeKVCacheBlockQueue:
         # and the operations that need it raise as vLLM's do. Setting the true
         # neighbour back repairs it; any other value is refused.
         cdef bint head = sentinel._slot == HEAD_SLOT
+        cdef bint* cut = &self._head_cut if head else &self._tail_cut
+        cdef bint was_cut
         if head != forward:
             if value is None:
                 return  # the fake head's prev / fake tail's next is always None
             raise AttributeError("the fake head has no prev and the fake tail no next")
         if value is None:
-            if head:
-                self._head_cut = True
-            else:
-                self._tail_cut = True
+            cut[0] = True
             return
-        if head:
-            was_cut = self._head_cut
-            self._head_cut = False
-            truth = self._neighbour(sentinel, True)
-            if truth is not value:
-                self._head_cut = was_cut
-                raise AttributeError("the fake head's link is managed natively; only its "
-                                     "true next block can be set back")
-        else:
-            was_cut = self._tail_cut
-            self._tail_cut = False
-            truth = self._neighbour(sentinel, False)
-            if truth is not value:
-                self._tail_cut = was_cut
-                raise AttributeError("the fake tail's link is managed natively; only its "
-                                     "true prev block can be set back")
+        was_cut = cut[0]
+        cut[0] = False
+        truth = self._neighbour(sentinel, head)
+        if truth is not value:
+            cut[0] = was_cut
+            raise AttributeError(
+                f"the fake {'head' if head else 'tail'}'s link is managed natively; only its "
+                f"true {'next' if head else 'prev'} block can be set back")
 
     cdef int _check_tail(self) except -1:
         if self._tail_cut:
@@ -1062,8 +1051,7 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
             table = kvpool_list_items(<PyObject*>queue._blocks)  # Python code may have run
             o = table[popped[i]]
             if o == none:
-                rb.d[0] -= n01  # a creation may run Python code (gc): settle counts
-                rb.d[1] += n01
+                _fold_0_to_1(&rb, n01)  # a creation may run Python code (gc)
                 n01 = 0
                 kvpool_refbatch_flush(&rb)
                 queue._block_at(popped[i])  # creates it in the table
@@ -1075,8 +1063,7 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
             i += 1
             if enable_caching and (<PyObject*>(<KVCacheBlock>o)._block_hash != none or (
                     has_extra and _block_id(<KVCacheBlock>o) in cached_block_hashes_by_block)):
-                rb.d[0] -= n01
-                rb.d[1] += n01
+                _fold_0_to_1(&rb, n01)
                 n01 = 0
                 kvpool_refbatch_flush(&rb)
                 evict_cached_block(<object>o)
@@ -1084,7 +1071,7 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
                 (<KVCacheBlock>o)._ref_cnt_o = one  # the common case, counted in n01
                 n01 += 1
             else:
-                refs = _ref_cnt_of(o)
+                refs = _ref_cnt(<KVCacheBlock>o)
                 if refs != 0:
                     raise BlockStateError(
                         f"free block {_id_text(o)} has ref_cnt={refs}; the pool is corrupted")
@@ -1093,8 +1080,7 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
             nset = i
         ret = PyList_New(n)
     except BaseException:
-        rb.d[0] -= n01
-        rb.d[1] += n01
+        _fold_0_to_1(&rb, n01)
         kvpool_refbatch_flush(&rb)
         # Put back, in their old order and unheld, the popped blocks that are still
         # off the free list and still as this call left them. Python code that ran in
@@ -1135,8 +1121,7 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
         raise
     for j in range(n):
         kvpool_list_items(<PyObject*>ret)[j] = taken[j]  # the list takes the reference
-    rb.d[0] -= n01
-    rb.d[1] += n01
+    _fold_0_to_1(&rb, n01)
     _flush(&rb)
     return ret
 
@@ -1168,12 +1153,6 @@ cdef list _source(object blocks, Py_ssize_t* start, Py_ssize_t* step, Py_ssize_t
     seq = list(blocks)
     start[0], step[0], count[0] = 0, 1, PyList_GET_SIZE(seq)
     return seq
-
-
-cdef inline object _item(list seq, Py_ssize_t i):
-    if not (0 <= i < PyList_GET_SIZE(seq)):
-        raise RuntimeError("the block list changed size while kvpool iterated it")
-    return <object>PyList_GET_ITEM(seq, i)
 
 
 cdef list _private_list(object blocks):
@@ -1447,8 +1426,7 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
             last[nlast] = (<KVCacheBlock>o)._slot
             nlast += 1
         k += 1
-    rb.d[1] -= n10
-    rb.d[0] += n10
+    _fold_0_to_1(&rb, -n10)
     if err == E_NONE and nforeign:
         # The forwarded blocks leave the scratch space before anything else can use it.
         try:
@@ -1593,8 +1571,7 @@ def pool_touch(FreeKVCacheBlockQueue queue not None, object blocks):
         if err != E_NONE:
             break
         k += 1
-    rb.d[0] -= n01
-    rb.d[1] += n01
+    _fold_0_to_1(&rb, n01)
     if err != E_NONE:
         # Blocks items[0 .. k-1] (null blocks excepted) were incremented once per
         # occurrence; removals are undone in reverse order.

@@ -160,14 +160,3 @@ static inline int kvpool_long_read(PyObject* o, long* out) {
   *out = v;
   return 1;
 }
-
-/* Software prefetch of a block object's hot fields (the header and the fields the
- * loops read span at most two cache lines). */
-static inline void kvpool_prefetch_block(const void* p) {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 1, 3);
-  __builtin_prefetch((const char*)p + 56, 1, 3);
-#else
-  (void)p;
-#endif
-}
