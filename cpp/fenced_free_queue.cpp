@@ -2,11 +2,27 @@
 
 namespace kvpool {
 
-void FencedFreeQueue::push(int64_t fence_seq, const int64_t* handles, size_t n) {
+void FencedFreeQueue::push(int64_t fence_seq, const int64_t* handles, size_t n, bool joined) {
+  if (joined && (entries_.empty() || entries_.back().fence_seq != fence_seq))
+    throw std::invalid_argument("a joined part needs a last entry with the same fence");
   size_t begin = buffer_.size();
   buffer_.insert(buffer_.end(), handles, handles + n);
-  entries_.push_back(Entry{fence_seq, begin, buffer_.size()});
+  entries_.push_back(Entry{fence_seq, begin, buffer_.size(), joined});
   num_blocks_ += n;
+  if (!joined) ++num_heads_;
+}
+
+void FencedFreeQueue::pop_one() {
+  const Entry& e = entries_.front();
+  num_blocks_ -= e.end - e.begin;
+  head_offset_ = e.end;
+  if (!e.joined) --num_heads_;
+  entries_.pop_front();
+  // What is left of a request whose first parts are gone is the head of its entry.
+  if (!entries_.empty() && entries_.front().joined) {
+    entries_.front().joined = false;
+    ++num_heads_;
+  }
 }
 
 size_t FencedFreeQueue::ready_entries(int64_t processed_step_seq) const {
@@ -22,9 +38,7 @@ size_t FencedFreeQueue::drain(int64_t processed_step_seq, std::vector<int64_t>& 
     const Entry& e = entries_.front();
     out.insert(out.end(), buffer_.begin() + e.begin, buffer_.begin() + e.end);
     if (entry_ends) entry_ends->push_back(out.size());
-    num_blocks_ -= e.end - e.begin;
-    head_offset_ = e.end;
-    entries_.pop_front();
+    pop_one();
     ++drained;
   }
   if (drained) compact();
@@ -35,20 +49,13 @@ void FencedFreeQueue::pop_front(std::vector<int64_t>& out) {
   if (entries_.empty()) throw std::out_of_range("pop from an empty deferred-free queue");
   const Entry& e = entries_.front();
   out.insert(out.end(), buffer_.begin() + e.begin, buffer_.begin() + e.end);
-  num_blocks_ -= e.end - e.begin;
-  head_offset_ = e.end;
-  entries_.pop_front();
+  pop_one();
   compact();
 }
 
 void FencedFreeQueue::discard_front(size_t k) {
   if (k > entries_.size()) throw std::out_of_range("discard_front past the end of the queue");
-  for (size_t i = 0; i < k; ++i) {
-    const Entry& e = entries_.front();
-    num_blocks_ -= e.end - e.begin;
-    head_offset_ = e.end;
-    entries_.pop_front();
-  }
+  for (size_t i = 0; i < k; ++i) pop_one();
   if (k) compact();
 }
 
@@ -57,6 +64,7 @@ void FencedFreeQueue::clear() {
   buffer_.clear();
   head_offset_ = 0;
   num_blocks_ = 0;
+  num_heads_ = 0;
 }
 
 void FencedFreeQueue::compact() {

@@ -10,6 +10,13 @@
 //
 // The queue stores opaque int64 block handles in one flat buffer; the binding decides
 // what a handle names (here: an index into a table of Python block objects).
+//
+// One request's blocks may span several KV cache groups. vLLM frees each group with a
+// call of its own (KVCacheCoordinator.free), and the order of unhashed blocks depends on
+// that split (each call prepends its own run), so a request's entry keeps one part per
+// group: a part after the first is `joined` to the entry before it (same fence). The
+// front part is never joined: removing a request's first parts makes the rest the head
+// of what is left of it.
 #pragma once
 
 #include <cstdint>
@@ -25,10 +32,13 @@ class FencedFreeQueue {
     int64_t fence_seq;
     size_t begin;  // offset into the flat handle buffer
     size_t end;
+    bool joined;   // a further KV cache group of the entry before it
   };
 
-  // Queue `n` handles that become free once processed_step_seq >= fence_seq.
-  void push(int64_t fence_seq, const int64_t* handles, size_t n);
+  // Queue `n` handles that become free once processed_step_seq >= fence_seq. With
+  // `joined`, they are a further group of the last entry: its fence must equal
+  // fence_seq (std::invalid_argument otherwise, or when the queue is empty).
+  void push(int64_t fence_seq, const int64_t* handles, size_t n, bool joined = false);
   // Number of leading entries whose fence is met, without removing them.
   size_t ready_entries(int64_t processed_step_seq) const;
   // Remove the leading ready entries; their handles, in queue order, are appended to
@@ -42,6 +52,8 @@ class FencedFreeQueue {
   void discard_front(size_t k);
 
   size_t num_entries() const { return entries_.size(); }
+  // Entries that are not joined to the one before: requests, as a deque would count them.
+  size_t num_heads() const { return num_heads_; }
   size_t num_blocks() const { return num_blocks_; }
   bool empty() const { return entries_.empty(); }
   const Entry& entry(size_t i) const { return entries_.at(i); }
@@ -50,11 +62,13 @@ class FencedFreeQueue {
 
  private:
   void compact();
+  void pop_one();
 
   std::deque<Entry> entries_;
   std::vector<int64_t> buffer_;
   size_t head_offset_ = 0;  // buffer_[0, head_offset_) is drained and reclaimable
   size_t num_blocks_ = 0;
+  size_t num_heads_ = 0;
 };
 
 }  // namespace kvpool

@@ -15,6 +15,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -29,16 +30,19 @@ EOS_TOKEN_ID = 50256
 init_none_hash(sha256)
 
 
-def kv_cache_groups(block_size: int, hybrid: bool) -> list[KVCacheGroupSpec]:
-    full = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    groups = [KVCacheGroupSpec(["layer.full"], full)]
-    if hybrid:
-        swa = SlidingWindowSpec(
-            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
-            sliding_window=4 * block_size,
-        )
-        groups.append(KVCacheGroupSpec(["layer.swa"], swa))
-    return groups
+def kv_cache_groups(block_size: int, num_groups: int, window_blocks: int = 4) -> list[KVCacheGroupSpec]:
+    """1 to 3 KV cache groups: full attention, then sliding window, then chunked local
+    attention (window and chunk ``window_blocks`` blocks)."""
+    common = dict(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    specs = [
+        FullAttentionSpec(**common),
+        SlidingWindowSpec(**common, sliding_window=window_blocks * block_size),
+        ChunkedLocalAttentionSpec(**common, attention_chunk_size=window_blocks * block_size),
+    ]
+    names = ["layer.full", "layer.swa", "layer.chunked"]
+    if not 1 <= num_groups <= len(specs):
+        raise ValueError(f"num_groups must be 1..{len(specs)}, got {num_groups}")
+    return [KVCacheGroupSpec([names[i]], specs[i]) for i in range(num_groups)]
 
 
 def make_scheduler(
@@ -47,7 +51,11 @@ def make_scheduler(
     hybrid: bool = False,
     enable_prefix_caching: bool = True,
     max_num_batched_tokens: int = 2048,
+    num_groups: int | None = None,
+    window_blocks: int = 4,
 ) -> Scheduler:
+    """A real Scheduler over ``num_blocks`` blocks. ``hybrid`` = two KV cache groups
+    (full attention + sliding window); ``num_groups`` (1-3) overrides it."""
     model_config = ModelConfig(model=MODEL, dtype="float16", seed=0, skip_tokenizer_init=True,
                                max_model_len=max_num_batched_tokens)
     scheduler_config = SchedulerConfig(
@@ -61,7 +69,8 @@ def make_scheduler(
                              cache_config=cache_config)
     cache_config.num_gpu_blocks = num_blocks
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                    kv_cache_groups=kv_cache_groups(block_size, hybrid))
+                                    kv_cache_groups=kv_cache_groups(
+                                        block_size, num_groups or (2 if hybrid else 1), window_blocks))
     register_all_kvcache_specs(vllm_config)
     return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                      structured_output_manager=StructuredOutputManager(vllm_config),

@@ -127,6 +127,29 @@ static void test_fenced_queue_fifo_and_fences() {
   CHECK(out.size() == 10000 && out.front() == 10000);
 }
 
+// A request's KV cache groups are parts of one entry: counted once, freed one by one,
+// and what is left of an entry after its first parts are removed is a head again.
+static void test_fenced_queue_joined_parts() {
+  FencedFreeQueue q;
+  int64_t a[2] = {1, 2}, b[1] = {3}, c[1] = {4};
+  CHECK(throws<std::invalid_argument>([&] { q.push(1, a, 2, true); }));  // nothing to join
+  q.push(1, a, 2);
+  CHECK(throws<std::invalid_argument>([&] { q.push(2, b, 1, true); }));  // other fence
+  q.push(1, b, 1, true);
+  q.push(2, c, 1);
+  CHECK(q.num_entries() == 3 && q.num_heads() == 2 && q.num_blocks() == 4);
+  CHECK(!q.entry(0).joined && q.entry(1).joined && !q.entry(2).joined);
+  q.discard_front(1);
+  CHECK(q.num_heads() == 2 && !q.entry(0).joined && q.entry(0).fence_seq == 1);
+  std::vector<int64_t> out;
+  CHECK(q.drain(5, out, nullptr) == 2 && out == (std::vector<int64_t>{3, 4}));
+  CHECK(q.num_heads() == 0 && q.empty());
+  q.push(1, a, 2);
+  q.push(1, b, 1, true);
+  q.clear();
+  CHECK(q.num_heads() == 0 && q.num_entries() == 0);
+}
+
 // Walking the front with next_links and taking the walked run with detach_front is
 // popleft_n; free_marks tells free slots from taken ones.
 static void test_walk_and_detach_front() {
@@ -163,6 +186,7 @@ int main() {
   test_prepend_append_remove_rebuild();
   test_rebuild_matches_sorted_free_set_randomly();
   test_fenced_queue_fifo_and_fences();
+  test_fenced_queue_joined_parts();
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;

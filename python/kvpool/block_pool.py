@@ -18,7 +18,6 @@ import os
 from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared
-from vllm.logger import init_logger
 from vllm.v1.core import block_pool as _vllm_block_pool
 
 from kvpool._core import (
@@ -33,7 +32,10 @@ from kvpool._core import (
     pool_unpin_blocks,
 )
 
-logger = init_logger(__name__)
+# vLLM's own block-pool logger ("vllm.v1.core.block_pool"): kvpool's pool is vLLM's
+# BlockPool to an operator, so its lines (vLLM's reset messages included) go where
+# vLLM's would, with vLLM's handler, format and per-logger levels.
+logger = _vllm_block_pool.logger
 
 #: ``KVPOOL_REORDER_ON_RESET=1``: every successful prefix-cache reset also restores
 #: the canonical free-queue order (the RFC's Option B, switched on for a deployment).

@@ -2,45 +2,72 @@
 
 Patches (applied by ``kvpool.install()``, undone by ``uninstall()``), for vLLM 0.33.0:
 
-* ``KVCacheCoordinator.pop_blocks_for_free`` returns each KV cache group's blocks
-  **reversed**, concatenated group by group: the order in which the immediate path
-  (``KVCacheCoordinator.free``: one reversed ``free_blocks`` call per group) frees
-  them. vLLM 0.33.0 returns allocation order and the drain reverses the flat list
-  once, so for groups A=[1,2,3], B=[4,5,6] a deferred free leaves eviction order
-  [6,5,4,3,2,1] instead of [3,2,1,6,5,4] (upstream fix #48532, seed 003).
 * ``Scheduler.deferred_frees`` becomes a :class:`kvpool.FencedDeferredFreeQueue`
-  (entries stored as native block handles), and ``_free_request_blocks``,
-  ``_free_cow_retained_blocks`` and ``_drain_deferred_frees`` push and drain it in
-  eviction order, freeing each entry as it is: no reversal at drain time, so the
-  copy-on-write retention path gets no double reversal.
+  (entries stored as native block handles).
+* ``Scheduler._free_request_blocks`` defers a request's blocks as one entry with a
+  part per KV cache group, each group's blocks reversed, and
+  ``_drain_deferred_frees`` frees each part with a ``free_blocks`` call of its own:
+  exactly the calls the immediate path makes (``KVCacheCoordinator.free``: one
+  ``free_blocks(reversed(group_blocks))`` per single-type manager). vLLM 0.33.0
+  frees the flat allocation-order list reversed in one call, so for groups
+  A=[1,2,3], B=[4,5,6] hashed blocks leave the LRU tail [6,5,4,3,2,1] instead of
+  [3,2,1,6,5,4] (upstream fix #48532, seed 003), and unhashed blocks, which each
+  call prepends as one run, come out in yet another order than the immediate
+  path's. ``_free_cow_retained_blocks`` queues its blocks as they are (one call
+  when freed immediately, so one part): no double reversal.
+
+``KVCacheCoordinator.pop_blocks_for_free`` and ``KVCacheManager.pop_blocks_for_free``
+are **not** patched: they keep vLLM's contract (the request's blocks in allocation
+order, group by group; the caller frees them reversed). The scheduler asks the
+coordinator's single-type managers for the groups instead (:func:`pop_groups_for_free`).
 
 A scheduler whose ``deferred_frees`` was replaced by a plain ``deque`` (test code,
-mocks) keeps vLLM 0.33.0's convention for that deque: entries hold blocks in the
-reverse of their eviction order and the drain frees ``reversed(blocks)``. The
-eviction order that reaches the pool is the same either way.
+mocks) keeps vLLM 0.33.0's convention for that deque, with one item per KV cache
+group: ``(fence, group_blocks)`` in allocation order, freed ``reversed`` by the
+drain, so the pool sees the immediate path's calls there too.
 """
 
 from __future__ import annotations
 
 from kvpool._core import FencedDeferredFreeQueue, FreeKVCacheBlockQueue
 
+_vllm_pops = None
 
-def pop_blocks_for_free(self, request_id: str) -> list:
-    """Pop the request's bookkeeping from all single-type managers and return its
-    blocks, without returning them to the pool, in **eviction order**: each KV
-    cache group's blocks reversed (tail blocks evicted first), group by group.
 
-    Mirrors ``KVCacheCoordinator.pop_blocks_for_free`` (vllm/v1/core/
-    kv_cache_coordinator.py, vLLM 0.33.0) with upstream #48532's ordering: pass the
-    result to ``block_pool.free_blocks`` as it is.
+def _vllm_pop_methods() -> tuple:
+    global _vllm_pops
+    if _vllm_pops is None:
+        from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+        _vllm_pops = (KVCacheManager.pop_blocks_for_free, KVCacheCoordinator.pop_blocks_for_free)
+    return _vllm_pops
+
+
+def pop_groups_for_free(kv_cache_manager, request) -> list[list]:
+    """Pop the request's bookkeeping and return its blocks, without returning them
+    to the pool, as one list per ``free_blocks`` call of the immediate path: each
+    KV cache group's blocks reversed (tail blocks evicted first), group by group.
+
+    Reads the coordinator's single-type managers, as ``KVCacheCoordinator.free``
+    does (vllm/v1/core/kv_cache_coordinator.py, vLLM 0.33.0). A manager or
+    coordinator class that overrides ``pop_blocks_for_free`` is asked through that
+    override instead, and its result (allocation order, vLLM's contract) is freed
+    as one call, reversed, as vLLM's scheduler does.
 
     Returns:
-        ``list[KVCacheBlock]``.
+        ``list[list[KVCacheBlock]]``, empty groups left out.
     """
-    blocks: list = []
-    for manager in self.single_type_managers:
-        blocks.extend(reversed(manager.pop_blocks_for_free(request_id)))
-    return blocks
+    manager_pop, coordinator_pop = _vllm_pop_methods()
+    coordinator = getattr(kv_cache_manager, "coordinator", None)
+    if (
+        getattr(type(kv_cache_manager), "pop_blocks_for_free", None) is manager_pop
+        and getattr(type(coordinator), "pop_blocks_for_free", None) is coordinator_pop
+    ):
+        groups = [manager.pop_blocks_for_free(request.request_id) for manager in coordinator.single_type_managers]
+    else:
+        groups = [kv_cache_manager.pop_blocks_for_free(request)]
+    return [group[::-1] for group in groups if group]
 
 
 def _is_native(queue) -> bool:
@@ -69,13 +96,14 @@ def _free_request_blocks(self, request) -> None:
     if self._request_blocks_can_be_freed(request):
         self.kv_cache_manager.free(request)
         return
-    blocks = self.kv_cache_manager.pop_blocks_for_free(request)
-    if not blocks:
+    groups = pop_groups_for_free(self.kv_cache_manager, request)
+    if not groups:
         return
     if _is_native(self.deferred_frees):
-        self.deferred_frees.push(self.sched_step_seq, blocks)
+        self.deferred_frees.push_groups(self.sched_step_seq, groups)
     else:
-        self.deferred_frees.append((self.sched_step_seq, blocks[::-1]))
+        for blocks in groups:
+            self.deferred_frees.append((self.sched_step_seq, blocks[::-1]))
 
 
 def _free_cow_retained_blocks(self, blocks: list, fence_seq: int) -> None:
@@ -97,7 +125,7 @@ def _drain_deferred_frees(self) -> None:
 
     With kvpool's pool (whose ``free_blocks`` no subclass overrides) the entries are
     freed natively from their block handles (:meth:`FencedDeferredFreeQueue.free_ready`);
-    otherwise each drained entry goes through the pool's ``free_blocks``."""
+    otherwise each drained part (KV cache group) goes through the pool's ``free_blocks``."""
     queue = self.deferred_frees
     pool = self.kv_cache_manager.block_pool
     if _is_native(queue):
@@ -119,7 +147,6 @@ def _drain_deferred_frees(self) -> None:
 
 def apply(patcher) -> None:
     """Install the patches above (called by ``kvpool.install()``)."""
-    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.sched.scheduler import Scheduler
 
     original_init = Scheduler.__init__
@@ -131,7 +158,6 @@ def apply(patcher) -> None:
     __init__.__wrapped__ = original_init
     __init__.__doc__ = original_init.__doc__
 
-    patcher.set_attr(KVCacheCoordinator, "pop_blocks_for_free", pop_blocks_for_free)
     patcher.set_attr(Scheduler, "__init__", __init__)
     patcher.set_attr(Scheduler, "_free_request_blocks", _free_request_blocks)
     patcher.set_attr(Scheduler, "_free_cow_retained_blocks", _free_cow_retained_blocks)

@@ -30,7 +30,9 @@ from typing import Any
 
 from kvpool.vllm_compat import check_vllm_version
 
-logger = logging.getLogger("kvpool")
+# Under the "vllm" logger, so vLLM's logging configuration (handler, format, level,
+# VLLM_LOGGING_CONFIG_PATH) applies to kvpool's lines as to vLLM's own.
+logger = logging.getLogger("vllm.kvpool")
 
 _lock = threading.RLock()
 _MISSING = object()

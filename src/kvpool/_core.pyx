@@ -709,19 +709,31 @@ cdef class FreeKVCacheBlockQueue:
             kvpool_list_items(<PyObject*>out)[i] = refs[i]  # the list takes the reference
         return out
 
-    cdef int _collect_slots(self, object blocks, vector[int32_t]& slots) except -1:
+    cdef int _collect_slots(self, object blocks, vector[int32_t]& slots, str op) except -1:
         # Slots of `blocks` into `slots` (a caller's local buffer: adopting a block may
         # run Python code that uses this queue); adopts blocks that no queue owns.
+        # Only blocks that may be free pass: vLLM's own code never inserts the null
+        # block (the pool's free_blocks/touch skip it) nor a block whose ref_cnt is
+        # not 0, and either one in the free list is handed out while still in use.
         cdef list blist = _private_list(blocks)
         cdef Py_ssize_t n = PyList_GET_SIZE(blist), i
         cdef object obj
         cdef KVCacheBlock b
+        cdef long refs
         slots.resize(n)
         for i in range(n):
             obj = <object>PyList_GET_ITEM(blist, i)
             if not isinstance(obj, KVCacheBlock):
                 raise TypeError(f"expected a kvpool KVCacheBlock, got {type(obj).__name__}")
             b = <KVCacheBlock>obj
+            if _is_null(b):
+                raise BlockStateError(
+                    f"{op}() of block {b.block_id!r}: it is the null block, which is never free")
+            refs = _ref_cnt(b)
+            if refs != 0:
+                raise BlockStateError(
+                    f"{op}() of block {b.block_id!r} with ref_cnt {refs}: only blocks that "
+                    "no request holds (ref_cnt 0) can be free")
             if b._queue is None:
                 self._register(b)
             slots[i] = self._slot_of(b)
@@ -779,23 +791,38 @@ cdef class FreeKVCacheBlockQueue:
         self._list.remove(slot)
 
     def append(self, KVCacheBlock block not None):
-        """Put a block at the tail (evicted last). Raises BlockStateError if it is
-        already free or belongs to another queue."""
+        """Put a block at the tail (evicted last).
+
+        Raises:
+            BlockStateError: the block is already free, belongs to another queue, is
+                the null block or has ``ref_cnt != 0``; nothing changes.
+        """
         cdef vector[int32_t] slots
         if self._tail_cut:
             raise RuntimeError("prev_free_block of fake_free_list_tail should always exist")
-        self._collect_slots([block], slots)
+        self._collect_slots([block], slots, "append")
         try:
             self._list.append_n(slots.data(), 1)
         except ValueError as e:
             raise BlockStateError(f"append() of block {block.block_id}: {e}") from None
 
     def append_n(self, blocks):
-        """Put ``blocks`` at the tail, in the given order."""
+        """Put ``blocks`` (iterable of blocks) at the tail, in the given order.
+
+        Raises:
+            BlockStateError: as :meth:`append`, for any of the blocks; the free list
+                is unchanged then.
+        """
         self._insert(blocks, False)
 
     def prepend_n(self, blocks):
-        """Put ``blocks`` at the front (allocated first), in the given order."""
+        """Put ``blocks`` (iterable of blocks) at the front (allocated first), in the
+        given order.
+
+        Raises:
+            BlockStateError: as :meth:`append`, for any of the blocks; the free list
+                is unchanged then.
+        """
         self._insert(blocks, True)
 
     cdef _insert(self, blocks, bint front):
@@ -806,7 +833,7 @@ cdef class FreeKVCacheBlockQueue:
             self._check_head()
         else:
             self._check_tail()
-        self._collect_slots(blocks, slots)
+        self._collect_slots(blocks, slots, "prepend_n" if front else "append_n")
         try:
             if front:
                 self._list.prepend_n(slots.data(), <int32_t>slots.size())
@@ -1727,12 +1754,15 @@ cdef class FencedDeferredFreeQueue:
     ``processed_step_seq >= fence_seq``. :meth:`drain` releases entries in FIFO order
     and stops at the first unmet fence. Blocks of several pools may share an entry.
 
-    kvpool's scheduler code uses :meth:`push` / :meth:`drain`, whose block lists are
-    in **eviction order** (freed as they are). For code written against vLLM
-    0.33.0's ``deque``, the sequence view (``len``, indexing, iteration, equality)
-    and ``append`` / ``popleft`` keep that version's convention: an entry's blocks
-    are listed in the reverse of their eviction order, and the drain frees
-    ``reversed(blocks)``.
+    kvpool's scheduler code uses :meth:`push_groups` / :meth:`free_ready` (or
+    :meth:`drain`), whose block lists are in **eviction order** (freed as they are).
+    An entry keeps one part per KV cache group, and each part is freed by a
+    ``free_blocks`` call of its own, as ``KVCacheCoordinator.free`` frees each group:
+    one call over all groups would prepend the groups' unhashed blocks in another
+    order. For code written against vLLM 0.33.0's ``deque``, the sequence view
+    (``len``, indexing, iteration, equality) and ``append`` / ``popleft`` keep that
+    version's convention: one item per entry, its blocks listed in the reverse of
+    their eviction order, and the drain frees ``reversed(blocks)``.
     """
     cdef FencedFreeQueue _q
     cdef list _owners
@@ -1741,7 +1771,6 @@ cdef class FencedDeferredFreeQueue:
     cdef int64_t _last_owner_index
     cdef list _loose
     cdef vector[int64_t] _handles
-    cdef vector[int64_t] _out
 
     def __cinit__(self):
         self._owners = []
@@ -1813,11 +1842,31 @@ cdef class FencedDeferredFreeQueue:
             kvpool_list_items(<PyObject*>out)[i] = refs[end - 1 - i if reverse else begin + i]
         return out
 
-    cdef list _objects(self, size_t index, bint reverse):
-        # Entry `index`'s blocks as a new list (in reverse when `reverse`).
+    cdef size_t _part_of_entry(self, size_t index) except? 0:
+        # The first part of entry `index` (entries count heads, parts do not).
+        cdef size_t part = 0, heads = 0, n = self._q.num_entries()
+        while part < n:
+            if not self._q.entry(part).joined:
+                if heads == index:
+                    return part
+                heads += 1
+            part += 1
+        raise IndexError("deque index out of range")
+
+    cdef size_t _end_of_entry(self, size_t part):
+        # One past the last part of the entry whose first part is `part`.
+        cdef size_t n = self._q.num_entries()
+        part += 1
+        while part < n and self._q.entry(part).joined:
+            part += 1
+        return part
+
+    cdef list _objects(self, size_t part, bint reverse):
+        # The blocks of the entry starting at `part`, all its parts (they lie
+        # contiguous in the buffer), as a new list (in reverse when `reverse`).
         cdef vector[PyObject*] refs
-        cdef FencedFreeQueue.Entry e = self._q.entry(index)
-        self._take(e.begin, e.end, refs)
+        cdef size_t last = self._end_of_entry(part) - 1
+        self._take(self._q.entry(part).begin, self._q.entry(last).end, refs)
         return self._list_of(refs, 0, refs.size(), reverse)
 
     cdef void _maybe_reset_tables(self):
@@ -1835,12 +1884,36 @@ cdef class FencedDeferredFreeQueue:
     # -- kvpool API (eviction order) -------------------------------------------------------
     def push(self, fence_seq, blocks):
         """Queue ``blocks`` (iterable of blocks, in eviction order) to be freed once
-        ``processed_step_seq >= fence_seq`` (int, a scheduler step sequence number).
+        ``processed_step_seq >= fence_seq`` (int, a scheduler step sequence number),
+        by one ``free_blocks`` call.
 
         Raises:
             TypeError: ``fence_seq`` is not an int (a float fence would be met early).
         """
+        self._push_part(_index(fence_seq), blocks, False)
+
+    def push_groups(self, fence_seq, groups):
+        """Queue one request's blocks as one entry of several parts, one per KV cache
+        group, freed once ``processed_step_seq >= fence_seq`` by one ``free_blocks``
+        call per part, in order: what ``KVCacheCoordinator.free`` does immediately
+        (vLLM 0.33.0, one reversed call per single-type manager).
+
+        Args:
+            fence_seq: int, a scheduler step sequence number.
+            groups: iterable of block iterables, each in eviction order (a group's
+                blocks reversed). Empty groups are skipped; if all are empty nothing
+                is queued.
+        Raises:
+            TypeError: ``fence_seq`` is not an int.
+        """
         cdef int64_t fence = _index(fence_seq)
+        cdef bint joined = False
+        for blocks in [list(g) for g in groups]:  # read every group before queuing any
+            if blocks:
+                self._push_part(fence, blocks, joined)
+                joined = True
+
+    cdef _push_part(self, int64_t fence, object blocks, bint joined):
         cdef Py_ssize_t start, step, n, k
         cdef list seq = _source(blocks, &start, &step, &n)
         cdef PyObject** items = kvpool_list_items(<PyObject*>seq) + start
@@ -1865,15 +1938,16 @@ cdef class FencedDeferredFreeQueue:
                 out[k] = self._handle_of(<object>o)
                 last = <PyObject*>self._last_owner
                 last_index = self._last_owner_index
-        self._q.push(fence, out, <size_t>n)
+        self._q.push(fence, out, <size_t>n, joined)
 
     def drain(self, processed_step_seq):
         """Remove the leading entries whose fence is met.
 
         Returns:
-            ``list[list[KVCacheBlock]]``: each drained entry's blocks in eviction order,
-            oldest entry first. Free each with its own ``free_blocks`` call (one call
-            for several entries would interleave their front/tail placement).
+            ``list[list[KVCacheBlock]]``: one list per ``free_blocks`` call to make, in
+            order: each drained entry's parts (its KV cache groups), blocks in eviction
+            order, oldest entry first. Free each with its own call (one call for several
+            lists would interleave their front/tail placement).
         Raises:
             TypeError: ``processed_step_seq`` is not an int.
             BlockStateError: a queued block was taken over by another free queue;
@@ -1916,22 +1990,24 @@ cdef class FencedDeferredFreeQueue:
 
     def free_ready(self, processed_step_seq, pool):
         """Free the leading entries whose fence is met through ``pool`` (a kvpool
-        ``BlockPool``), oldest first, without building block lists: each entry is
-        freed exactly as ``pool.free_blocks(blocks)`` would free it (its own call,
-        blocks of other pools forwarded to their ``free_blocks``). What
-        ``Scheduler._drain_deferred_frees`` does (vLLM 0.33.0), in native code.
+        ``BlockPool``), oldest first, without building block lists: each part (KV
+        cache group) of an entry is freed exactly as ``pool.free_blocks(blocks)``
+        would free it (its own call, blocks of other pools forwarded to their
+        ``free_blocks``). What ``Scheduler._drain_deferred_frees`` does (vLLM
+        0.33.0), in native code, with the group order of the immediate path.
 
         Args:
             processed_step_seq: int, the scheduler's processed step sequence number.
             pool: the scheduler's block pool; its ``free_block_queue`` must be a
                 kvpool ``FreeKVCacheBlockQueue``.
         Returns:
-            Number of entries freed (int).
+            Number of parts freed (int): the ``free_blocks`` calls made, one per KV
+            cache group of each entry.
         Raises:
             TypeError: ``processed_step_seq`` is not an int, or the pool's queue is not
                 kvpool's.
-            BlockStateError: a block of the entry was taken over by another queue, or
-                the entry would double free a block; that entry and the ones after it
+            BlockStateError: a block of the part was taken over by another queue, or
+                the part would double free a block; that part and the ones after it
                 stay queued, the ones before it are freed.
         """
         cdef int64_t processed = _index(processed_step_seq)
@@ -1974,7 +2050,11 @@ cdef class FencedDeferredFreeQueue:
 
     def ready_entries(self, processed_step_seq):
         """Number of leading entries whose fence is met (nothing is removed)."""
-        return self._q.ready_entries(<int64_t>_index(processed_step_seq))
+        cdef size_t parts = self._q.ready_entries(<int64_t>_index(processed_step_seq)), i
+        cdef size_t heads = 0
+        for i in range(parts):  # an entry's parts share its fence
+            heads += not self._q.entry(i).joined
+        return heads
 
     @property
     def num_blocks(self):
@@ -1982,14 +2062,14 @@ cdef class FencedDeferredFreeQueue:
         return self._q.num_blocks()
 
     def entries(self):
-        """``list[tuple[int, list[KVCacheBlock]]]``: every entry, blocks in eviction order."""
+        """``list[tuple[int, list[KVCacheBlock]]]``: every entry, blocks in eviction order
+        (its parts one after the other)."""
         cdef size_t i
-        cdef FencedFreeQueue.Entry e
         out = []
         i = 0
-        while i < self._q.num_entries():  # (re-read: building a list may run Python code)
-            fence = self._q.entry(i).fence_seq
-            out.append((fence, self._objects(i, False)))
+        while i < self._q.num_heads():  # (re-read: building a list may run Python code)
+            part = self._part_of_entry(i)
+            out.append((self._q.entry(part).fence_seq, self._objects(part, False)))
             i += 1
         return out
 
@@ -2004,15 +2084,17 @@ cdef class FencedDeferredFreeQueue:
         """Remove and return the first entry as ``(fence_seq, blocks)`` in vLLM 0.33.0's
         convention, regardless of its fence. Raises IndexError if empty."""
         cdef vector[PyObject*] refs
-        cdef FencedFreeQueue.Entry e
+        cdef size_t parts
+        cdef int64_t fence
         if self._q.empty():
             raise IndexError("pop from an empty deque")
-        e = self._q.entry(0)
-        self._take(e.begin, e.end, refs)  # owned, then removed: no Python code between
-        self._out.clear()
-        self._q.pop_front(self._out)
+        parts = self._end_of_entry(0)
+        fence = self._q.entry(0).fence_seq
+        # owned, then removed: no Python code between
+        self._take(self._q.entry(0).begin, self._q.entry(parts - 1).end, refs)
+        self._q.discard_front(parts)
         try:
-            return (e.fence_seq, self._list_of(refs, 0, refs.size(), True))
+            return (fence, self._list_of(refs, 0, refs.size(), True))
         finally:
             self._maybe_reset_tables()
 
@@ -2021,20 +2103,21 @@ cdef class FencedDeferredFreeQueue:
         self._maybe_reset_tables()
 
     def __len__(self):
-        return self._q.num_entries()
+        return self._q.num_heads()
 
     def __bool__(self):
         return not self._q.empty()
 
     def __getitem__(self, index):
-        cdef Py_ssize_t n = self._q.num_entries()
+        cdef Py_ssize_t n = self._q.num_heads()
         cdef Py_ssize_t i = index
-        cdef FencedFreeQueue.Entry e
+        cdef size_t part
         if i < 0:
             i += n
         if i < 0 or i >= n:
             raise IndexError("deque index out of range")
-        return (self._q.entry(<size_t>i).fence_seq, self._objects(<size_t>i, True))
+        part = self._part_of_entry(<size_t>i)
+        return (self._q.entry(part).fence_seq, self._objects(part, True))
 
     def __iter__(self):
         for i in range(len(self)):

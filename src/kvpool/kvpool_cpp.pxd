@@ -46,12 +46,14 @@ cdef extern from "fenced_free_queue.h" namespace "kvpool" nogil:
             int64_t fence_seq
             size_t begin
             size_t end
-        void push(int64_t fence_seq, const int64_t* handles, size_t n) except +
+            cbool joined
+        void push(int64_t fence_seq, const int64_t* handles, size_t n, cbool joined) except +
         size_t ready_entries(int64_t processed_step_seq)
         size_t drain(int64_t processed_step_seq, vector[int64_t]& out, vector[size_t]* entry_ends) except +
         void pop_front(vector[int64_t]& out) except +
         void discard_front(size_t k) except +
         size_t num_entries()
+        size_t num_heads()
         size_t num_blocks()
         cbool empty()
         const Entry& entry(size_t i) except +
