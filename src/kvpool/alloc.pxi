@@ -1,0 +1,156 @@
+# Included by _core.pyx: BlockPool.get_new_blocks.
+
+# --------------------------------------------------------------------------------------
+# BlockPool hot loops (vllm/v1/core/block_pool.py, vLLM 0.33.0)
+# --------------------------------------------------------------------------------------
+def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
+                        bint enable_caching, dict cached_block_hashes_by_block,
+                        object evict_cached_block):
+    """``BlockPool.get_new_blocks`` without per-block Python calls.
+
+    Pops ``num_blocks`` from the front of the free queue; for a block that still has
+    a prefix-cache hash (or extra hashes in ``cached_block_hashes_by_block``) calls
+    ``evict_cached_block(block)``; checks ``ref_cnt == 0`` (after the callback, as
+    vLLM's ``assert`` does) and sets it to 1. One pass over the blocks.
+
+    Returns:
+        ``list[KVCacheBlock]`` of length ``num_blocks``.
+    Raises:
+        TypeError: ``num_blocks`` is not an int.
+        ValueError: ``num_blocks`` negative or more than the free blocks.
+        BlockStateError: a block with ``ref_cnt != 0`` (the pool is corrupted). On any
+            error the popped blocks that are still off the free list and unchanged by
+            others are put back in front, in their old order, with ``ref_cnt`` 0.
+    """
+    cdef Py_ssize_t n = _index(num_blocks), i = 0, j, nset = 0, nback = 0
+    cdef list ret
+    cdef PyObject* o
+    cdef PyObject** table
+    cdef PyObject* none = kvpool_none()
+    cdef bint has_extra = bool(cached_block_hashes_by_block)
+    cdef vector[int32_t] popped
+    cdef vector[PyObject*] taken  # owned references to the blocks of this call
+    cdef kvpool_refbatch rb
+    cdef Py_ssize_t n01 = 0
+    cdef PyObject* zero = kvpool_si_obj(0)
+    cdef PyObject* one = kvpool_si_obj(1)
+    cdef const int32_t* next_links
+    cdef int32_t node, slot
+    cdef long refs
+    cdef uint64_t insertions
+    if n < 0:
+        raise ValueError(f"cannot get a negative number of blocks ({n})")
+    if n > queue._list.size() + queue._count_offset:
+        raise ValueError(f"Cannot get {n} free blocks from the pool")
+    if n > queue._list.size():
+        raise ValueError(f"Cannot get {n} free blocks from the pool "
+                         f"(only {queue._list.size()} are really free)")
+    popped.resize(n)
+    taken.resize(n)
+    kvpool_refbatch_init(&rb)
+    table = kvpool_list_items(<PyObject*>queue._blocks)
+    # The common case first: walk the front of the free list while taking the blocks
+    # (the walk's chain of dependent loads overlaps the per-block work), up to the
+    # first block that needs Python code (creation, an eviction callback) or is not
+    # a plain free block; the walked run is then unlinked in one go. No Python code
+    # runs until every block of the call is off the free list, as in vLLM. The
+    # returned list is built last, so Python code never sees it half filled.
+    next_links = queue._list.next_links()
+    node = next_links[0]  # the fake head's next
+    while i < n:
+        slot = node - 2
+        o = table[slot]
+        if (o == none or (<KVCacheBlock>o)._ref_cnt_o != zero or (enable_caching and (
+                <PyObject*>(<KVCacheBlock>o)._block_hash != none or has_extra))):
+            break
+        popped[i] = slot
+        (<KVCacheBlock>o)._ref_cnt_o = one  # counted in n01
+        n01 += 1
+        Py_INCREF_ptr(o)
+        taken[i] = o
+        i += 1
+        node = next_links[node]
+    nset = i
+    queue._list.detach_front(popped.data(), <int32_t>i)
+    # The rest, popped first, one block at a time.
+    if i < n:
+        queue._list.popleft_n(<int32_t>(n - i), popped.data() + i)
+    insertions = queue._list.insertions()
+    try:
+        while i < n:
+            table = kvpool_list_items(<PyObject*>queue._blocks)  # Python code may have run
+            o = table[popped[i]]
+            if o == none:
+                _fold_0_to_1(&rb, n01)  # a creation may run Python code (gc)
+                n01 = 0
+                kvpool_refbatch_flush(&rb)
+                queue._block_at(popped[i])  # creates it in the table
+                o = kvpool_list_items(<PyObject*>queue._blocks)[popped[i]]
+                if not isinstance(<object>o, KVCacheBlock):
+                    raise BlockStateError(f"free slot {popped[i]} holds no block; the pool is corrupted")
+            Py_INCREF_ptr(o)
+            taken[i] = o
+            i += 1
+            if enable_caching and (<PyObject*>(<KVCacheBlock>o)._block_hash != none or (
+                    has_extra and _block_id(<KVCacheBlock>o) in cached_block_hashes_by_block)):
+                _fold_0_to_1(&rb, n01)
+                n01 = 0
+                kvpool_refbatch_flush(&rb)
+                evict_cached_block(<object>o)
+            if (<KVCacheBlock>o)._ref_cnt_o == zero:
+                (<KVCacheBlock>o)._ref_cnt_o = one  # the common case, counted in n01
+                n01 += 1
+            else:
+                refs = _ref_cnt(<KVCacheBlock>o)
+                if refs != 0:
+                    raise BlockStateError(
+                        f"free block {_id_text(o)} has ref_cnt={refs}; the pool is corrupted")
+                if _put_refs(o, 1, &rb) != E_NONE:
+                    raise MemoryError("get_new_blocks(): no memory for a ref_cnt")
+            nset = i
+        ret = PyList_New(n)
+    except BaseException:
+        _fold_0_to_1(&rb, n01)
+        kvpool_refbatch_flush(&rb)
+        # Put back, in their old order and unheld, the popped blocks that are still
+        # off the free list and still as this call left them. Python code that ran in
+        # between (a callback, a finalizer) may have freed some of them, or freed and
+        # taken them again: if anything was put into the free list meanwhile, a block
+        # this call set to ref_cnt 1 may be someone else's now, and is left as it is.
+        queue_changed = queue._list.insertions() != insertions
+        left = []
+        for j in range(n):
+            slot = popped[j]
+            if queue._list.contains(slot):
+                continue  # already back in the free list
+            if j < nset:  # this call set ref_cnt 1
+                o = taken[j]
+                if not _read_refs(o, &refs) or refs != 1 or queue_changed:
+                    left.append(slot)
+                    continue
+                _put_refs(o, 0, &rb)
+            else:
+                o = taken[j] if j < i else kvpool_list_items(<PyObject*>queue._blocks)[slot]
+                if o != none and _read_refs(o, &refs) and refs != 0:
+                    left.append(slot)  # not set by this call, but held now
+                    continue
+            popped[nback] = slot
+            nback += 1
+        if nback:
+            queue._list.prepend_n_unchecked(popped.data(), <int32_t>nback)
+        for j in range(i):
+            Py_DECREF_ptr(taken[j])
+        _flush(&rb)
+        if left:
+            exc = sys.exc_info()[1]
+            if hasattr(exc, "add_note"):
+                exc.add_note(
+                    f"kvpool: get_new_blocks() left blocks in slots {left} as the Python "
+                    "code that ran during the call left them (freed and possibly taken "
+                    "again); the other popped blocks were put back")
+        raise
+    for j in range(n):
+        kvpool_list_items(<PyObject*>ret)[j] = taken[j]  # the list takes the reference
+    _fold_0_to_1(&rb, n01)
+    _flush(&rb)
+    return ret

@@ -1,0 +1,305 @@
+# Included by _core.pyx: BlockPool.free_blocks, and the free loop the deferred drain shares.
+
+cdef struct HandleTable:
+    # The table of the last owner seen while resolving deferred-free handles.
+    int64_t current          # owner index, -1: none yet
+    PyObject* owner_queue    # its FreeKVCacheBlockQueue; NULL for loose objects
+    PyObject** items
+    Py_ssize_t size
+
+
+cdef inline PyObject* _handle_to_block(FencedDeferredFreeQueue deferred, int64_t handle,
+                                       HandleTable* t, int* err):
+    """The block a deferred-free handle names (borrowed: the owner queue's table or
+    ``deferred._loose`` holds it), or NULL with ``err`` set (E_CORRUPT_HANDLE, or
+    E_TAKEN_OVER when the block moved to another queue after it was queued). Never
+    raises."""
+    cdef int64_t owner = handle >> 32
+    cdef int64_t slot = <int64_t><uint32_t>handle
+    cdef PyObject* table
+    cdef PyObject* obj
+    if owner != t.current:
+        if owner == _LOOSE_OWNER:
+            table = <PyObject*>deferred._loose
+            t.owner_queue = NULL
+        elif 0 <= owner < PyList_GET_SIZE(deferred._owners):
+            t.owner_queue = PyList_GET_ITEM(deferred._owners, owner)
+            table = <PyObject*>(<FreeKVCacheBlockQueue>t.owner_queue)._blocks
+        else:
+            err[0] = E_CORRUPT_HANDLE
+            return NULL
+        t.items = kvpool_list_items(table)
+        t.size = PyList_GET_SIZE(<object>table)
+        t.current = owner
+    if not (0 <= slot < t.size):
+        err[0] = E_CORRUPT_HANDLE
+        return NULL
+    obj = t.items[slot]
+    if t.owner_queue is not NULL and (
+            not isinstance(<object>obj, KVCacheBlock)
+            or <PyObject*>(<KVCacheBlock>obj)._queue != t.owner_queue
+            or (<KVCacheBlock>obj)._slot != slot):
+        err[0] = E_TAKEN_OVER
+        return NULL
+    return obj
+
+
+def pool_free_blocks(object pool, FreeKVCacheBlockQueue queue not None,
+                     object ordered_blocks, bint enable_caching):
+    """``BlockPool.free_blocks``: decrement ``ref_cnt``; blocks reaching 0 go to the
+    front of the free queue if they have no hash (LIFO reuse for GPU locality) or
+    caching is off, else to the tail (LRU). The null block is skipped.
+
+    Args:
+        ordered_blocks: iterable of ``KVCacheBlock`` in eviction order (first freed is
+            evicted first).
+
+    Returns:
+        ``dict[pool, list[KVCacheBlock]]`` of blocks owned by other pools (the caller
+        forwards them), or None.
+    Raises:
+        TypeError: not a kvpool block, or ``ref_cnt`` / ``is_null`` of the wrong type.
+        BlockStateError: double free (``ref_cnt`` already 0 or the block is already
+            free) or a block of another pool's queue with ``pool`` unset. Nothing
+            changes in this pool when one of these is raised (an error while the
+            other pools' blocks are grouped, after this pool's part is done, leaves
+            that part done).
+    """
+    cdef Py_ssize_t start, step, n
+    cdef list seq = _source(ordered_blocks, &start, &step, &n)
+    cdef vector[PyObject*] foreign
+    if n == 0:
+        return None
+    _free_core(pool, queue, kvpool_list_items(<PyObject*>seq) + start, n, step,
+               enable_caching, None, NULL, -1, &foreign)
+    try:
+        return _forwarded(foreign)
+    finally:
+        _release_parked()
+
+
+cdef dict _forwarded(vector[PyObject*]& foreign):
+    # {pool: [blocks]} of the blocks _free_core left for other pools; takes over the
+    # references `foreign` holds (all of them, even when this raises).
+    cdef size_t j = 0
+    cdef dict others = None
+    try:
+        if foreign.size():
+            others = {}
+            while j < foreign.size():
+                obj = <object>foreign[j]
+                Py_DECREF_ptr(foreign[j])  # `obj` holds it now
+                j += 1
+                others.setdefault((<KVCacheBlock>obj).pool, []).append(obj)
+        return others
+    finally:
+        while j < foreign.size():
+            Py_DECREF_ptr(foreign[j])
+            j += 1
+        foreign.clear()
+
+
+# What the free loop does with one block (the general case, _free_one).
+cdef enum:
+    A_SKIP = 0        # a null block
+    A_FOREIGN = 1     # another pool's block: forwarded to it after the loop
+    A_HELD = 2        # decremented, still held (or a placeholder no pool owns)
+    A_FIRST = 3       # reached 0: to the front of the free queue
+    A_LAST = 4        # reached 0, hashed: to the tail (LRU)
+
+
+cdef int _free_one(PyObject* o, PyObject* pool, FreeKVCacheBlockQueue queue,
+                   bint enable_caching, kvpool_refbatch* rb, long* refs_out):
+    # The general case of one block of the free loop (the loop inlines the common
+    # one): returns an A_* action, or -E_* with nothing changed for this block.
+    # Never raises and runs no Python code.
+    cdef PyObject* p
+    cdef long refs
+    cdef int32_t slot
+    cdef int err
+    if not isinstance(<object>o, KVCacheBlock):
+        return -E_NOT_BLOCK
+    p = (<KVCacheBlock>o)._is_null_o
+    if p != kvpool_false():
+        return A_SKIP if p == kvpool_true() else -E_NULL_FIELD
+    if not _read_refs(o, &refs):
+        return -E_REF_FIELD
+    refs_out[0] = refs
+    p = <PyObject*>(<KVCacheBlock>o).pool
+    if p != kvpool_none() and p != pool:
+        return A_FOREIGN
+    if (<KVCacheBlock>o)._queue is None and refs != 1:
+        # A placeholder block no pool owns (vLLM's own tests build block tables of
+        # bare KVCacheBlock(id)): vLLM decrements its ref_cnt and, as it does not
+        # reach 0, never links it anywhere. Do the same; it cannot reach the free
+        # list. One that would reach 0 is refused below as foreign.
+        err = _put_refs(o, refs - 1, rb)
+        return -err if err != E_NONE else A_HELD
+    slot = (<KVCacheBlock>o)._slot
+    if (<PyObject*>(<KVCacheBlock>o)._queue != <PyObject*>queue
+            or not (0 <= slot < queue._list.capacity())):
+        return -E_NOT_OURS
+    if refs <= 0 or queue._list.contains_unchecked(slot):
+        return -E_DOUBLE_FREE
+    err = _put_refs(o, refs - 1, rb)
+    if err != E_NONE:
+        return -err
+    if refs != 1:
+        return A_HELD
+    if not enable_caching or <PyObject*>(<KVCacheBlock>o)._block_hash == kvpool_none():
+        return A_FIRST
+    return A_LAST
+
+
+cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
+                    Py_ssize_t n, Py_ssize_t step, bint enable_caching,
+                    FencedDeferredFreeQueue deferred, const int64_t* handles,
+                    int64_t own_owner, vector[PyObject*]* foreign_out) except -1:
+    # The loop of pool_free_blocks over items[0], items[step], ... (n of them, borrowed
+    # references the caller keeps alive), or, when `handles` is not NULL, over the
+    # blocks named by handles[0 .. n-1] of `deferred` (resolved as the loop goes;
+    # `own_owner` is the owner index of `queue` there, -1 if none). No Python code
+    # runs and nothing that could start a garbage collection is allocated until the
+    # loop and its undo are done, so the items cannot change under it.
+    #
+    # On success every block of this pool is freed and linked, other pools' blocks
+    # are in *foreign_out (owned references), and still no Python code has run: the
+    # caller can record the free (e.g. drop a deferred entry) before anything else
+    # happens, then forward the foreign blocks and call _release_parked(). On error
+    # nothing is changed, parked objects are released, and the exception is raised.
+    cdef HandleTable ht
+    cdef int64_t h, hslot
+    cdef int32_t fast_slot
+    cdef PyObject** own_items = kvpool_list_items(<PyObject*>queue._blocks)
+    cdef int64_t own_size = PyList_GET_SIZE(queue._blocks)
+    cdef Py_ssize_t k = 0, j, nfirst = 0, nlast = 0, nforeign = 0, n10 = 0
+    cdef PyObject* o
+    cdef PyObject* none = kvpool_none()
+    cdef PyObject* false_ = kvpool_false()
+    cdef PyObject* zero = kvpool_si_obj(0)
+    cdef PyObject* one = kvpool_si_obj(1)
+    cdef PyObject* pool_o = <PyObject*>pool
+    cdef PyObject* queue_o = <PyObject*>queue
+    cdef void* block_type = <void*>KVCacheBlock
+    cdef long refs = 0
+    cdef int32_t slot
+    cdef uint32_t capacity = <uint32_t>queue._list.capacity()
+    cdef const int32_t* free_marks = queue._list.free_marks()
+    cdef int err = E_NONE, action
+    cdef int32_t* first
+    cdef int32_t* last
+    cdef PyObject** foreign
+    cdef kvpool_refbatch rb
+    cdef object culprit
+    # Scratch space of the queue (no allocation per call once it has grown). Only the
+    # loop and its links use it, before any Python code (which could call into this
+    # queue again) can run.
+    queue._scratch.resize(2 * n)
+    first = queue._scratch.data()
+    last = first + n
+    queue._ptr_scratch.resize(n)
+    foreign = queue._ptr_scratch.data()
+    kvpool_refbatch_init(&rb)
+    ht.current = -1
+    while k < n:
+        # The common case, checked inline: a held-once block of this pool that is not
+        # the null block (fast_slot >= 0 then); anything else goes to _free_one.
+        fast_slot = -1
+        if handles is NULL:
+            o = items[k * step]
+            if (<void*>Py_TYPE(<object>o) == block_type
+                    and (<KVCacheBlock>o)._ref_cnt_o == one
+                    and (<KVCacheBlock>o)._is_null_o == false_
+                    and <PyObject*>(<KVCacheBlock>o).pool == pool_o
+                    and <PyObject*>(<KVCacheBlock>o)._queue == queue_o):
+                slot = (<KVCacheBlock>o)._slot
+                if <uint32_t>slot < capacity and free_marks[slot] < 0:
+                    fast_slot = slot
+        else:
+            h = handles[k]
+            hslot = <int64_t><uint32_t>h
+            o = NULL
+            if (h >> 32) == own_owner and hslot < own_size:
+                # A block of this pool's own queue: the handle still names it if the
+                # block there is registered at that slot of that queue.
+                o = own_items[hslot]
+                if (<void*>Py_TYPE(<object>o) == block_type
+                        and <PyObject*>(<KVCacheBlock>o)._queue == queue_o
+                        and (<KVCacheBlock>o)._slot == hslot):
+                    if ((<KVCacheBlock>o)._ref_cnt_o == one
+                            and (<KVCacheBlock>o)._is_null_o == false_
+                            and <PyObject*>(<KVCacheBlock>o).pool == pool_o
+                            and free_marks[hslot] < 0):
+                        fast_slot = <int32_t>hslot
+                else:
+                    o = NULL
+            if o is NULL:
+                o = _handle_to_block(deferred, h, &ht, &err)
+                if o is NULL:
+                    break
+        if fast_slot >= 0:
+            (<KVCacheBlock>o)._ref_cnt_o = zero  # counted in n10
+            n10 += 1
+            if not enable_caching or <PyObject*>(<KVCacheBlock>o)._block_hash == none:
+                first[nfirst] = fast_slot
+                nfirst += 1
+            else:
+                last[nlast] = fast_slot
+                nlast += 1
+            k += 1
+            continue
+        action = _free_one(o, pool_o, queue, enable_caching, &rb, &refs)
+        if action < 0:
+            err = -action
+            break
+        if action == A_FOREIGN:
+            foreign[nforeign] = o
+            nforeign += 1
+        elif action == A_FIRST:
+            first[nfirst] = (<KVCacheBlock>o)._slot
+            nfirst += 1
+        elif action == A_LAST:
+            last[nlast] = (<KVCacheBlock>o)._slot
+            nlast += 1
+        k += 1
+    _fold_0_to_1(&rb, -n10)
+    if err == E_NONE and nforeign:
+        # The forwarded blocks leave the scratch space before anything else can use it.
+        try:
+            foreign_out.assign(foreign, foreign + nforeign)
+        except MemoryError:
+            err = E_NO_MEMORY
+            k = n  # undo everything; the error names no block
+    if err != E_NONE:
+        # Undo: every block before the failing one that is neither null nor another
+        # pool's was decremented once per occurrence. Nothing was linked yet.
+        ht.current = -1
+        for j in range(k):
+            o = items[j * step] if handles is NULL else _handle_to_block(deferred, handles[j], &ht, &action)
+            if _null_state(o) == 1:
+                continue
+            if (<PyObject*>(<KVCacheBlock>o).pool != none
+                    and <PyObject*>(<KVCacheBlock>o).pool != pool_o):
+                continue
+            _read_refs(o, &refs)
+            _put_refs(o, refs + 1, &rb)  # restores the value it had (cannot overflow)
+        if k == n or err == E_TAKEN_OVER or err == E_CORRUPT_HANDLE:
+            culprit = None
+        elif handles is NULL:
+            culprit = <object>items[k * step]
+        else:
+            culprit = <object>_handle_to_block(deferred, handles[k], &ht, &action)
+        if culprit is not None and err == E_DOUBLE_FREE:
+            _read_refs(<PyObject*>culprit, &refs)
+        _flush(&rb)
+        _raise_loop_error(err, culprit, "free_blocks", refs)
+    # Every block was checked above (in range, not free, listed once per reference),
+    # so these batch links cannot fail.
+    if nfirst:
+        queue._list.prepend_n_unchecked(first, <int32_t>nfirst)
+    if nlast:
+        queue._list.append_n_unchecked(last, <int32_t>nlast)
+    for j in range(nforeign):
+        Py_INCREF_ptr(deref(foreign_out)[j])
+    kvpool_refbatch_flush(&rb)  # (the ints' counts only: no Python code)
+    return 0
