@@ -1,4 +1,4 @@
-"""Command line: ``python -m kvpool {replay,conformance,info}``."""
+"""Command line: ``python -m kvpool {replay,locality,conformance,info}``."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "command",
-        choices=["replay", "conformance", "info"],
+        choices=["replay", "locality", "conformance", "info"],
         help="replay: workload through vLLM's scheduler, vanilla vs kvpool; "
+        "locality: paged attention time per block-table layout (needs torch, not vLLM); "
         "conformance: vLLM's own tests with and without kvpool; "
         "info: versions and install state",
     )
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvpool.replay.cli import main as replay_main
 
         return replay_main(rest)
+    if command == "locality":
+        from kvpool.locality.cli import main as locality_main
+
+        return locality_main(rest)
     if command == "conformance":
         from kvpool.conformance.cli import main as conformance_main
 
