@@ -7,6 +7,7 @@ TARGETS = {
     "reorder": 200,
     "pool_creation": 30,
     "alloc_free_2100": 25,
+    "alloc_free_2100_contiguous": 25,  # issue 9: the contiguous policy's alloc+free
     "alloc_free_whole_pool": 25,
     "touch_free_2100_hashed": 20,
     "deferred_drain_2100": 20,

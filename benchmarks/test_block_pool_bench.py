@@ -17,7 +17,7 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue as VllmFreeQueue
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kvpool import FencedDeferredFreeQueue
+from kvpool import FencedDeferredFreeQueue, allocation
 from kvpool import deferred_free as kv_deferred
 from kvpool.block_pool import BlockPool as KvpoolBlockPool
 
@@ -88,6 +88,36 @@ def test_alloc_free(benchmark, impl, num):
         pool.free_blocks(reversed(pool.get_new_blocks(num)))
 
     _tag(benchmark, "alloc_free_2100" if num == REQUEST_BLOCKS else "alloc_free_whole_pool", impl, num)
+    benchmark(alloc_free)
+    assert pool.get_num_free_blocks() == NUM_BLOCKS - 1
+
+
+def test_alloc_free_contiguous_policy(benchmark, impl):
+    """A request's whole life under ``allocation="contiguous"``: 2,100 blocks for a new
+    block table (named to the pool as vLLM's managers do once kvpool is installed, so
+    the pool places an extent), then freed. vLLM's side: its own order, as always."""
+    if impl == "vllm":
+        pool = _pool(impl)
+
+        def alloc_free():
+            pool.free_blocks(reversed(pool.get_new_blocks(REQUEST_BLOCKS)))
+    else:
+        allocation.set_policy("contiguous")
+        try:
+            pool = _pool(impl)
+        finally:
+            allocation.set_policy("vllm")
+        manager = SimpleNamespace(req_to_blocks={}, block_size=16)
+
+        def alloc_free():
+            manager.req_to_blocks["r"] = []
+            pool._table_context = (manager, "r")
+            blocks = pool.get_new_blocks(REQUEST_BLOCKS)
+            pool._table_context = None
+            pool._end_table(manager, "r")
+            pool.free_blocks(reversed(blocks))
+
+    _tag(benchmark, "alloc_free_2100_contiguous", impl, REQUEST_BLOCKS)
     benchmark(alloc_free)
     assert pool.get_num_free_blocks() == NUM_BLOCKS - 1
 

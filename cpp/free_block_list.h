@@ -16,7 +16,10 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <vector>
+
+#include "slot_bitmap.h"
 
 namespace kvpool {
 
@@ -29,6 +32,24 @@ using InvalidBlockState = std::invalid_argument;
 class FreeBlockList {
  public:
   static constexpr int32_t kNotFree = -1;
+
+  // How free slots are ordered (docs/design.md, "Allocation policies"). vLLM's free
+  // queue is always two segments: the *uncached* segment at the front (blocks freed
+  // without a prefix-cache hash, prepended, then never-used blocks) and the *LRU*
+  // segment behind it (blocks freed with a hash or released by unpin, appended).
+  enum Order : int32_t {
+    // vLLM's order; nothing is tracked. The default.
+    kVllmOrder = 0,
+    // vLLM's order, and each free slot remembers its segment (appended: LRU), so the
+    // uncached segment can be sorted without touching the LRU segment
+    // (rebuild_uncached_canonical).
+    kSegments = 1,
+    // The uncached segment is kept sorted by slot and indexed by a bitmap; inserting
+    // an uncached slot links it at its sorted place. take() serves allocations from
+    // it by position (a table's continuation, a new extent, the lowest slots) and
+    // reaches the LRU segment, in vLLM's order, only when it is empty.
+    kContiguous = 2,
+  };
 
   // A list over `capacity` slots. With all_free, slots 0..capacity-1 are linked in
   // ascending order (vLLM's initial order); otherwise the list starts empty.
@@ -62,8 +83,18 @@ class FreeBlockList {
   // The same without validation, for callers that have already checked every slot
   // (in range, not free, listed once): the block pool's free loop does this per
   // block anyway, so the batch link is one pass.
-  void append_n_unchecked(const int32_t* slots, int32_t n) { link_run_after(prev_[kTail], slots, n); }
-  void prepend_n_unchecked(const int32_t* slots, int32_t n) { link_run_after(kHead, slots, n); }
+  void append_n_unchecked(const int32_t* slots, int32_t n) {
+    if (order_ != kVllmOrder) mark_segment(slots, n, 1);
+    link_run_after(prev_[kTail], slots, n);
+  }
+  void prepend_n_unchecked(const int32_t* slots, int32_t n) {
+    if (order_ == kContiguous) {
+      insert_uncached(slots, n);
+      return;
+    }
+    if (order_ == kSegments) mark_segment(slots, n, 0);
+    link_run_after(kHead, slots, n);
+  }
   // remove() that reports the neighbours it unlinked from, and its exact inverse:
   // undoing removals in reverse order restores the list ("dancing links"). For
   // callers that validated `slot` (free, in range).
@@ -75,6 +106,7 @@ class FreeBlockList {
     prev_[*next_node] = *prev_node;
     prev_[node] = next_[node] = kNotFree;
     --size_;
+    if (order_ == kContiguous) uncached_.reset(slot);
   }
   void undo_remove(int32_t slot, int32_t prev_node, int32_t next_node) {
     int32_t node = slot + kFirst;
@@ -84,6 +116,7 @@ class FreeBlockList {
     prev_[next_node] = node;
     ++size_;
     ++insertions_;
+    if (order_ == kContiguous && !lru_[slot]) uncached_.set(slot);
   }
   // contains() without the range check; `slot` must be in [0, capacity).
   bool contains_unchecked(int32_t slot) const { return prev_[slot + kFirst] >= 0; }
@@ -108,7 +141,39 @@ class FreeBlockList {
       prev_[slots[i] + kFirst] = next_[slots[i] + kFirst] = kNotFree;
     }
     size_ -= k;
+    if (order_ == kContiguous) forget_uncached(slots, k);
   }
+
+  // ---- allocation policies (Order) ----
+  Order order() const { return order_; }
+  // Switch the order. Leaving kVllmOrder treats every free slot as uncached (right
+  // for a list that was never used: a pool at construction); kContiguous relinks the
+  // free slots in ascending order.
+  void set_order(Order order);
+  // The uncached free slots (kContiguous only; empty otherwise).
+  const SlotBitmap& uncached() const { return uncached_; }
+  // kContiguous: choose n free slots for an allocation and unlink them, into out[0..n):
+  // first the continuation of a table (hint, hint+1, ... while uncached and not
+  // reserved by another owner), then a run of max(want, rest) unreserved uncached
+  // slots (reserved for `owner`, first fit; if none, a run of `rest`), then the
+  // lowest unreserved uncached slots, then uncached slots reserved by others, then the
+  // LRU segment's front, as vLLM would. owner 0: no table, no reservation. Throws
+  // InvalidBlockState if n > size.
+  void take(int32_t n, int32_t hint, int32_t owner, int32_t want, int32_t* out);
+  // Undo a take()/popleft_n: link slots back where they were taken from, uncached ones
+  // at their sorted place and LRU ones, in the given order, at the LRU segment's
+  // front. In the other orders this is prepend_n_unchecked without touching segments.
+  void reinsert_front(const int32_t* slots, int32_t n);
+  // Forget every reservation of `owner` (its request was freed) / of all owners.
+  void release(int32_t owner);
+  void release_all();
+  int32_t num_reserved_owners() const { return static_cast<int32_t>(extents_.size()); }
+  // kSegments / kContiguous: relink the uncached segment in ascending slot order; the
+  // LRU segment keeps its order, behind it. O(capacity).
+  void rebuild_uncached_canonical();
+  // Maximal runs of consecutive free slots (any segment): their number and the
+  // longest. O(capacity).
+  void free_runs(int32_t* num_runs, int32_t* longest) const;
 
   // Add `extra` slots (not free) at the end of the slot range.
   void grow(int32_t extra);
@@ -132,12 +197,42 @@ class FreeBlockList {
   // Validate a batch for insertion; marks are undone before throwing.
   void validate_batch(const int32_t* slots, int32_t n);
   void link_run_after(int32_t anchor, const int32_t* slots, int32_t n);
+  // Segment bookkeeping of the policies.
+  void mark_segment(const int32_t* slots, int32_t n, uint8_t lru) {
+    for (int32_t i = 0; i < n; ++i) lru_[slots[i]] = lru;
+  }
+  void forget_uncached(const int32_t* slots, int32_t n) {
+    for (int32_t i = 0; i < n; ++i) uncached_.reset(slots[i]);
+  }
+  // kContiguous: link uncached slots at their sorted places.
+  void insert_uncached(const int32_t* slots, int32_t n);
+  // The node the LRU segment starts after: the last uncached node, or the fake head.
+  int32_t lru_anchor() const {
+    int32_t last = uncached_.find_prev(capacity_);
+    return last < 0 ? kHead : last + kFirst;
+  }
+  void unlink_one(int32_t slot) {
+    int32_t node = slot + kFirst;
+    int32_t p = prev_[node], n = next_[node];
+    next_[p] = n;
+    prev_[n] = p;
+    prev_[node] = next_[node] = kNotFree;
+    --size_;
+    if (order_ == kContiguous) uncached_.reset(slot);
+  }
+  void reserve(int32_t owner, int32_t start, int32_t len);
 
   int32_t capacity_ = 0;
   int32_t size_ = 0;
   uint64_t insertions_ = 0;
   std::vector<int32_t> prev_;
   std::vector<int32_t> next_;
+  Order order_ = kVllmOrder;
+  std::vector<uint8_t> lru_;        // per slot: 1 if it was last inserted at the tail
+  SlotBitmap uncached_;             // kContiguous: free slots of the uncached segment
+  SlotBitmap reserved_;             // kContiguous: slots in some owner's extent
+  std::vector<int32_t> owner_of_;   // kContiguous: that owner (0: none)
+  std::unordered_map<int32_t, std::vector<std::pair<int32_t, int32_t>>> extents_;
 };
 
 // ---- implementation (inline: the Cython loops call these per block) ----
@@ -211,6 +306,7 @@ inline int32_t FreeBlockList::popleft() {
   prev_[after] = kHead;
   prev_[node] = next_[node] = kNotFree;
   --size_;
+  if (order_ == kContiguous) uncached_.reset(node - kFirst);
   return node - kFirst;
 }
 
@@ -230,16 +326,12 @@ inline void FreeBlockList::popleft_n(int32_t n, int32_t* out) {
   next_[kHead] = node;
   prev_[node] = kHead;
   size_ -= n;
+  if (order_ == kContiguous) forget_uncached(out, n);
 }
 
 inline void FreeBlockList::remove(int32_t slot) {
   check_free(slot);
-  int32_t node = slot + kFirst;
-  int32_t p = prev_[node], n = next_[node];
-  next_[p] = n;
-  prev_[n] = p;
-  prev_[node] = next_[node] = kNotFree;
-  --size_;
+  unlink_one(slot);
 }
 
 inline void FreeBlockList::validate_batch(const int32_t* slots, int32_t n) {
@@ -295,13 +387,13 @@ inline void FreeBlockList::append(int32_t slot) { append_n(&slot, 1); }
 inline void FreeBlockList::append_n(const int32_t* slots, int32_t n) {
   if (n == 0) return;
   validate_batch(slots, n);
-  link_run_after(prev_[kTail], slots, n);
+  append_n_unchecked(slots, n);
 }
 
 inline void FreeBlockList::prepend_n(const int32_t* slots, int32_t n) {
   if (n == 0) return;
   validate_batch(slots, n);
-  link_run_after(kHead, slots, n);
+  prepend_n_unchecked(slots, n);
 }
 
 inline void FreeBlockList::grow(int32_t extra) {
@@ -309,6 +401,12 @@ inline void FreeBlockList::grow(int32_t extra) {
   capacity_ += extra;
   prev_.resize(static_cast<size_t>(capacity_) + kFirst, kNotFree);
   next_.resize(static_cast<size_t>(capacity_) + kFirst, kNotFree);
+  if (order_ != kVllmOrder) lru_.resize(static_cast<size_t>(capacity_), 0);
+  if (order_ == kContiguous) {
+    uncached_.resize(capacity_);
+    reserved_.resize(capacity_);
+    owner_of_.resize(static_cast<size_t>(capacity_), 0);
+  }
 }
 
 inline void FreeBlockList::rebuild_canonical() {
@@ -341,6 +439,15 @@ inline void FreeBlockList::rebuild_canonical() {
   }
   next[last] = kTail;
   prev[kTail] = last;
+  if (order_ != kVllmOrder) {
+    // One canonical segment: every free slot counts as uncached from now on.
+    std::fill(lru_.begin(), lru_.end(), 0);
+    if (order_ == kContiguous) {
+      uncached_.clear();
+      for (int32_t s = 0; s < capacity_; ++s)
+        if (prev_[s + kFirst] >= 0) uncached_.set(s);
+    }
+  }
 }
 
 inline void FreeBlockList::rebuild_in_order(const int32_t* slots, int32_t n) {
@@ -356,6 +463,12 @@ inline void FreeBlockList::rebuild_in_order(const int32_t* slots, int32_t n) {
       throw InvalidBlockState(detail::slot_msg("rebuild_in_order got a block that is not free or repeated", s));
     }
     seen[s] = 1;
+  }
+  if (order_ == kContiguous) {
+    // Any order is allowed here; the sorted-uncached invariant then needs every
+    // free slot treated as LRU (kept in the given order, reached front first).
+    uncached_.clear();
+    for (int32_t i = 0; i < n; ++i) lru_[slots[i]] = 1;
   }
   // Same free set, new order: empty the list and link the run after the head.
   next_[kHead] = kTail;
@@ -385,6 +498,196 @@ inline void FreeBlockList::check_invariants() const {
   int32_t marked = 0;
   for (int32_t node = kFirst; node < capacity_ + kFirst; ++node) marked += prev_[node] >= 0;
   if (marked != size_) throw std::logic_error("membership mismatch");
+  if (order_ == kContiguous) {
+    // The uncached segment is the list's sorted prefix, exactly the bitmap's members.
+    int32_t node = next_[kHead], last = -1, uncached = 0;
+    for (; node != kTail && !lru_[node - kFirst]; node = next_[node], ++uncached) {
+      if (node - kFirst <= last) throw std::logic_error("uncached segment not sorted");
+      if (!uncached_.test(node - kFirst)) throw std::logic_error("uncached slot missing from the bitmap");
+      last = node - kFirst;
+    }
+    for (; node != kTail; node = next_[node])
+      if (!lru_[node - kFirst]) throw std::logic_error("uncached slot inside the LRU segment");
+    if (uncached != uncached_.count()) throw std::logic_error("bitmap holds slots that are not free");
+  }
+}
+
+// ---- allocation policies ----
+
+inline void FreeBlockList::set_order(Order order) {
+  if (order == order_) return;
+  if (order != kVllmOrder && order != kSegments && order != kContiguous)
+    throw InvalidBlockState("unknown free-list order " + std::to_string(order));
+  Order old = order_;
+  order_ = order;
+  if (order == kVllmOrder) {
+    lru_.clear();
+    uncached_ = SlotBitmap();
+    reserved_ = SlotBitmap();
+    owner_of_.clear();
+    extents_.clear();
+    return;
+  }
+  if (old == kVllmOrder) lru_.assign(static_cast<size_t>(capacity_), 0);
+  if (order == kContiguous) {
+    uncached_ = SlotBitmap(capacity_);
+    reserved_ = SlotBitmap(capacity_);
+    owner_of_.assign(static_cast<size_t>(capacity_), 0);
+    rebuild_uncached_canonical();
+  } else {
+    uncached_ = SlotBitmap();
+    reserved_ = SlotBitmap();
+    owner_of_.clear();
+    extents_.clear();
+  }
+}
+
+inline void FreeBlockList::insert_uncached(const int32_t* slots, int32_t n) {
+  for (int32_t i = 0; i < n; ++i) {
+    int32_t s = slots[i];
+    int32_t node = s + kFirst;
+    int32_t before;  // the node to link after
+    // A freed table comes back as a run (reversed, usually): its neighbour is the
+    // slot just inserted, so the common case needs no search.
+    if (s + 1 < capacity_ && uncached_.test(s + 1)) {
+      before = prev_[s + 1 + kFirst];
+    } else if (s > 0 && uncached_.test(s - 1)) {
+      before = s - 1 + kFirst;
+    } else {
+      int32_t p = uncached_.find_prev(s);
+      before = p < 0 ? kHead : p + kFirst;
+    }
+    int32_t after = next_[before];
+    next_[before] = node;
+    prev_[node] = before;
+    next_[node] = after;
+    prev_[after] = node;
+    lru_[s] = 0;
+    uncached_.set(s);
+  }
+  size_ += n;
+  insertions_ += static_cast<uint64_t>(n);
+}
+
+inline void FreeBlockList::reinsert_front(const int32_t* slots, int32_t n) {
+  if (order_ != kContiguous) {
+    link_run_after(kHead, slots, n);  // segments as they were
+    return;
+  }
+  std::vector<int32_t> lru_run;
+  for (int32_t i = 0; i < n; ++i) {
+    if (lru_[slots[i]]) {
+      lru_run.push_back(slots[i]);
+    } else {
+      insert_uncached(slots + i, 1);
+    }
+  }
+  if (!lru_run.empty()) link_run_after(lru_anchor(), lru_run.data(), static_cast<int32_t>(lru_run.size()));
+}
+
+// Extents never overlap: take() reserves only slots outside every extent.
+inline void FreeBlockList::reserve(int32_t owner, int32_t start, int32_t len) {
+  reserved_.set_range(start, start + len);
+  std::fill(owner_of_.begin() + start, owner_of_.begin() + start + len, owner);
+  extents_[owner].emplace_back(start, len);
+}
+
+inline void FreeBlockList::release(int32_t owner) {
+  auto it = extents_.find(owner);
+  if (it == extents_.end()) return;
+  for (const auto& extent : it->second) {
+    int32_t end = extent.first + extent.second;
+    reserved_.reset_range(extent.first, end);
+    std::fill(owner_of_.begin() + extent.first, owner_of_.begin() + end, 0);
+  }
+  extents_.erase(it);
+}
+
+inline void FreeBlockList::release_all() {
+  if (order_ != kContiguous) return;
+  reserved_.clear();
+  std::fill(owner_of_.begin(), owner_of_.end(), 0);
+  extents_.clear();
+}
+
+inline void FreeBlockList::take(int32_t n, int32_t hint, int32_t owner, int32_t want, int32_t* out) {
+  if (order_ != kContiguous) throw InvalidBlockState("take() needs the contiguous order");
+  if (n < 0) throw InvalidBlockState("cannot take a negative number of blocks");
+  if (n > size_) {
+    throw InvalidBlockState("cannot take " + std::to_string(n) + " blocks: only " +
+                            std::to_string(size_) + " free");
+  }
+  int32_t k = 0;
+  auto usable = [&](int32_t s) {
+    return s < capacity_ && uncached_.test(s) && (!reserved_.test(s) || owner_of_[s] == owner);
+  };
+  // 1. The table's continuation.
+  if (hint >= 0 && owner > 0) {
+    for (int32_t s = hint; k < n && usable(s); ++s) {
+      unlink_one(s);
+      out[k++] = s;
+    }
+  }
+  // 2. A new extent where the expected growth fits.
+  if (k < n && owner > 0) {
+    int32_t rest = n - k;
+    int32_t len = std::max(want, rest);
+    int32_t start = uncached_.find_run(len, &reserved_);
+    if (start < 0 && len > rest) {
+      len = rest;
+      start = uncached_.find_run(len, &reserved_);
+    }
+    if (start >= 0) {
+      reserve(owner, start, len);
+      for (int32_t s = start; k < n; ++s) {
+        unlink_one(s);
+        out[k++] = s;
+      }
+    }
+  }
+  // 3. The lowest unreserved uncached slots, then 4. those reserved by others.
+  for (int pass = 0; pass < 2 && k < n; ++pass) {
+    for (int32_t s = uncached_.find_next(0); k < n && s >= 0; s = uncached_.find_next(s + 1)) {
+      if (pass == 0 && reserved_.test(s) && owner_of_[s] != owner) continue;
+      unlink_one(s);
+      out[k++] = s;
+    }
+  }
+  // 5. The LRU segment, from its front (now the list's front), as vLLM.
+  while (k < n) out[k++] = popleft();
+}
+
+inline void FreeBlockList::rebuild_uncached_canonical() {
+  if (order_ == kVllmOrder) throw InvalidBlockState("the free list does not track its segments");
+  std::vector<int32_t> order;
+  order.reserve(static_cast<size_t>(size_));
+  for (int32_t s = 0; s < capacity_; ++s)
+    if (prev_[s + kFirst] >= 0 && !lru_[s]) order.push_back(s);
+  size_t num_uncached = order.size();
+  for (int32_t node = next_[kHead]; node != kTail; node = next_[node])
+    if (lru_[node - kFirst]) order.push_back(node - kFirst);
+  next_[kHead] = kTail;
+  prev_[kTail] = kHead;
+  size_ = 0;
+  link_run_after(kHead, order.data(), static_cast<int32_t>(order.size()));
+  if (order_ == kContiguous) {
+    uncached_.clear();
+    for (size_t i = 0; i < num_uncached; ++i) uncached_.set(order[i]);
+  }
+}
+
+inline void FreeBlockList::free_runs(int32_t* num_runs, int32_t* longest) const {
+  int32_t runs = 0, best = 0, cur = 0;
+  for (int32_t node = kFirst; node < capacity_ + kFirst; ++node) {
+    if (prev_[node] >= 0) {
+      if (cur == 0) ++runs;
+      if (++cur > best) best = cur;
+    } else {
+      cur = 0;
+    }
+  }
+  *num_runs = runs;
+  *longest = best;
 }
 
 }  // namespace kvpool

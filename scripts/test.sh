@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything CI runs, from a fresh clone: .venv + build, kvpool's tests, the
 # benchmarks (vLLM/kvpool ratios of the same run checked against the targets in
-# benchmarks/ratios.py; never an absolute time), and the conformance run of vLLM's
-# own test suite with and without kvpool (fails on any regression).
+# benchmarks/ratios.py; never an absolute time), the conformance run of vLLM's
+# own test suite with and without kvpool (fails on any regression), and the short
+# forms of the debug-interpreter and sanitizer runs (docs/native-checks.md).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$here/scripts/bootstrap.sh"
@@ -12,6 +13,8 @@ mkdir -p .ci-out
 py=.venv/bin/python
 
 echo "== kvpool tests"
+# The long differentials at 10^5 operations (10^6: docs/native-checks.md, docs/design.md).
+export KVPOOL_DIFF_OPS=100000 KVPOOL_POLICY_DIFF_OPS=100000
 "$py" -m pytest tests -q -p no:cacheprovider
 
 echo "== benchmarks (vLLM 0.33.0 vs kvpool, same run)"
@@ -23,6 +26,12 @@ ratios=0
 
 echo "== conformance: vLLM's own tests, vanilla vs kvpool"
 "$py" -m kvpool conformance --json .ci-out/conformance.json
+
+echo "== debug interpreter (Py_DEBUG): suite subset + reference-count leak check"
+bash scripts/test-debug-python.sh --short
+
+echo "== ASan/UBSan build of the extension: suite subset + differential tests"
+bash scripts/test-sanitizers.sh --short
 
 if [ "$ratios" -ne 0 ]; then
   echo "benchmark ratios below their targets (see above)" >&2

@@ -150,6 +150,126 @@ static void test_fenced_queue_joined_parts() {
   CHECK(q.num_heads() == 0 && q.num_entries() == 0);
 }
 
+// The contiguous order against a model of vLLM's list (uncached segment LIFO, then
+// never-used, then LRU): the same slots are free, the LRU segment has the same order,
+// and every take() reaches the LRU segment exactly when vLLM's popleft_n would, taking
+// the same LRU slots in the same order. Only which uncached slots are taken differs.
+static void test_contiguous_order_keeps_vllm_lru_segment() {
+  const int32_t cap = 300;
+  FreeBlockList l(cap, true);
+  l.set_order(FreeBlockList::kContiguous);
+  std::vector<int32_t> uncached_model, lru_model;  // vLLM: front = uncached_model[0]
+  for (int32_t s = 0; s < cap; ++s) uncached_model.push_back(s);
+  std::vector<int32_t> held;
+  uint64_t rng = 12345;
+  auto next = [&](uint64_t m) { rng = rng * 6364136223846793005ULL + 1442695040888963407ULL; return (rng >> 33) % m; };
+  int32_t owners = 0;
+  for (int step = 0; step < 20000; ++step) {
+    int op = static_cast<int>(next(4));
+    if (op == 0 && l.size() > 0) {  // allocation
+      int32_t n = static_cast<int32_t>(1 + next(std::min<uint64_t>(l.size(), 12)));
+      int32_t hint = held.empty() || next(2) ? -1 : held[next(held.size())] + 1;
+      int32_t owner = static_cast<int32_t>(next(4));
+      std::vector<int32_t> out(n);
+      l.take(n, hint, owner, static_cast<int32_t>(n + next(8)), out.data());
+      int32_t from_uncached = std::min<int32_t>(n, static_cast<int32_t>(uncached_model.size()));
+      for (int32_t i = 0; i < n; ++i) {
+        if (i < from_uncached) {
+          auto it = std::find(uncached_model.begin(), uncached_model.end(), out[i]);
+          CHECK(it != uncached_model.end());
+          uncached_model.erase(it);
+        } else {
+          CHECK(!lru_model.empty() && lru_model.front() == out[i]);
+          lru_model.erase(lru_model.begin());
+        }
+        held.push_back(out[i]);
+      }
+      if (next(5) == 0) l.release(owner);
+      owners = std::max(owners, owner);
+    } else if ((op == 1 || op == 2) && !held.empty()) {  // free: without (1) / with (2) a hash
+      int32_t k = static_cast<int32_t>(1 + next(std::min<uint64_t>(held.size(), 6)));
+      std::vector<int32_t> batch(held.end() - k, held.end());
+      held.resize(held.size() - k);
+      std::reverse(batch.begin(), batch.end());
+      if (op == 1) {
+        l.prepend_n_unchecked(batch.data(), k);
+        uncached_model.insert(uncached_model.begin(), batch.begin(), batch.end());
+      } else {
+        l.append_n_unchecked(batch.data(), k);
+        lru_model.insert(lru_model.end(), batch.begin(), batch.end());
+      }
+    } else if (op == 3 && !lru_model.empty()) {  // a prefix-cache hit takes an LRU block
+      int32_t s = lru_model[next(lru_model.size())];
+      l.remove(s);
+      lru_model.erase(std::find(lru_model.begin(), lru_model.end(), s));
+      held.push_back(s);
+    }
+    if (step % 97 == 0) {
+      l.check_invariants();
+      std::vector<int32_t> got = l.to_vector();
+      std::vector<int32_t> want_uncached = uncached_model;
+      std::sort(want_uncached.begin(), want_uncached.end());
+      std::vector<int32_t> want = want_uncached;
+      want.insert(want.end(), lru_model.begin(), lru_model.end());
+      CHECK(got == want);
+    }
+  }
+  l.release_all();
+  CHECK(l.num_reserved_owners() == 0);
+}
+
+// Range updates agree with per-slot ones, across word boundaries.
+static void test_slot_bitmap_ranges() {
+  kvpool::SlotBitmap a(300), b(300);
+  int32_t ranges[][2] = {{0, 1}, {3, 64}, {63, 130}, {128, 192}, {250, 300}, {5, 5}};
+  for (auto& r : ranges) {
+    a.set_range(r[0], r[1]);
+    for (int32_t s = r[0]; s < r[1]; ++s) b.set(s);
+  }
+  a.reset_range(70, 129);
+  for (int32_t s = 70; s < 129; ++s) b.reset(s);
+  CHECK(a.count() == b.count());
+  for (int32_t s = 0; s < 300; ++s) CHECK(a.test(s) == b.test(s));
+  for (int32_t s = 0; s <= 300; ++s) CHECK(a.find_next(s) == b.find_next(s) && a.find_prev(s) == b.find_prev(s));
+  // Members: 0, 3..69, 129..191, 250..299.
+  CHECK(a.find_run(67, nullptr) == 3 && a.find_run(68, nullptr) == -1 && a.find_run(1, nullptr) == 0);
+  kvpool::SlotBitmap excluded(300);
+  excluded.set_range(0, 70);
+  CHECK(a.find_run(60, &excluded) == 129 && a.find_run(64, &excluded) == -1 && a.find_run(50, &excluded) == 129);
+}
+
+// take(): a table continues at hint; a new owner's extent avoids other owners'
+// reservations; undoing a take puts every slot back where it was.
+static void test_contiguous_take_extents_and_reinsert() {
+  FreeBlockList l(64, true);
+  l.set_order(FreeBlockList::kContiguous);
+  int32_t a[4], b[2], c[3];
+  l.take(4, -1, 1, 10, a);  // owner 1 reserves [0, 10)
+  CHECK(a[0] == 0 && a[3] == 3);
+  l.take(2, -1, 2, 8, b);   // owner 2: first fit after owner 1's extent
+  CHECK(b[0] == 10 && b[1] == 11);
+  l.take(3, a[3] + 1, 1, 0, c);  // owner 1 continues its table
+  CHECK(c[0] == 4 && c[2] == 6);
+  int32_t d[2];
+  l.take(2, -1, 0, 0, d);  // no owner: lowest unreserved
+  CHECK(d[0] == 18 && d[1] == 19);
+  std::vector<int32_t> before = l.to_vector();
+  int32_t e[40];
+  l.append_n_unchecked(d, 2);  // 18, 19 now in the LRU segment
+  before = l.to_vector();
+  l.take(40, -1, 0, 0, e);
+  l.reinsert_front(e, 40);
+  CHECK(l.to_vector() == before);
+  l.check_invariants();
+  l.release(1);
+  int32_t f[1];
+  l.take(1, -1, 0, 0, f);
+  CHECK(f[0] == 7);  // owner 1's extent is free for anyone again
+  int32_t runs = 0, longest = 0;
+  l.free_runs(&runs, &longest);
+  CHECK(runs >= 1 && longest >= 1);
+}
+
 // Walking the front with next_links and taking the walked run with detach_front is
 // popleft_n; free_marks tells free slots from taken ones.
 static void test_walk_and_detach_front() {
@@ -187,6 +307,9 @@ int main() {
   test_rebuild_matches_sorted_free_set_randomly();
   test_fenced_queue_fifo_and_fences();
   test_fenced_queue_joined_parts();
+  test_contiguous_order_keeps_vllm_lru_segment();
+  test_contiguous_take_extents_and_reinsert();
+  test_slot_bitmap_ranges();
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;

@@ -35,11 +35,12 @@ _CORE_NAMES = {
 }
 
 
-def install(*, force: bool = False) -> bool:
-    """Replace vLLM's block pool classes with kvpool's. See :func:`kvpool.patching.install`."""
+def install(*, force: bool = False, allocation: str | None = None) -> bool:
+    """Replace vLLM's block pool classes with kvpool's; ``allocation="contiguous"``
+    opts into the contiguity-preserving policy. See :func:`kvpool.patching.install`."""
     from kvpool import patching
 
-    return patching.install(force=force)
+    return patching.install(force=force, allocation=allocation)
 
 
 def uninstall() -> bool:

@@ -20,10 +20,12 @@ from typing import Any
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared
 from vllm.v1.core import block_pool as _vllm_block_pool
 
+from kvpool import allocation
 from kvpool._core import (
     BlockTable,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
+    count_table_pairs,
     make_pool_blocks,
     pool_blocks_to_evict,
     pool_free_blocks,
@@ -101,7 +103,9 @@ class BlockPool(VllmBlockPool):
 
     Same constructor and attributes. Block 0 is the null block, popped at
     construction and never freed. Adds :meth:`reset_free_block_queue_order` (the
-    RFC's Option A) and ``reset_prefix_cache(reorder_free_queue=True)`` (Option B).
+    RFC's Option A), ``reset_prefix_cache(reorder_free_queue=True)`` (Option B),
+    :meth:`fragmentation_stats`, and the allocation policy in force when the pool is
+    built (:attr:`allocation`, see :mod:`kvpool.allocation`).
 
     Args:
         num_gpu_blocks: blocks in the pool, ``> 0``.
@@ -136,6 +140,23 @@ class BlockPool(VllmBlockPool):
         # All blocks (a BlockTable: objects created on first use) and the free
         # queue, natively linked in block_id order.
         self.blocks, self.free_block_queue = make_pool_blocks(self, num_gpu_blocks)
+        #: "vllm" or "contiguous" (kvpool.allocation), fixed for the pool's life.
+        self.allocation = allocation.current()
+        self._restore_on_idle = self.allocation == "vllm" and allocation.reorder_on_idle()
+        if self.allocation == "contiguous":
+            self.free_block_queue.set_allocation_order("contiguous")
+        elif self._restore_on_idle:
+            self.free_block_queue.set_allocation_order("segments")
+        # The block table the current allocation extends (set by the single-type
+        # managers' wrapped allocation methods), tables' owner ids and expected
+        # lengths (tokens) for the extents, and the table statistics' counters
+        # (blocks, pairs, ascending pairs, descending pairs).
+        self._table_context = None
+        self._table_owners: dict = {}
+        self._next_owner = 1
+        self._expected_tokens: dict = {}
+        self._table_counters = [0, 0, 0, 0]
+        self._extent_cap = max(1, int(num_gpu_blocks * allocation.EXTENT_CAP_FRACTION))
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.cached_block_hashes_by_block = {}
         # Block 0 is the null block: a placeholder whose ref_cnt is not maintained.
@@ -157,6 +178,9 @@ class BlockPool(VllmBlockPool):
             ValueError: more blocks than are free ("Cannot get N free blocks from the
                 pool") or ``num_blocks < 0``.
         """
+        context = self._table_context
+        if context is not None:
+            return self._extend_table(num_blocks, *context)
         if (
             self._reuse_watchers
             or self.metrics_collector is not None
@@ -172,6 +196,80 @@ class BlockPool(VllmBlockPool):
             self._maybe_evict_cached_block,
         )
 
+    def _extend_table(self, num_blocks: int, manager, request_id: str) -> list[KVCacheBlock]:
+        # get_new_blocks for the table (manager, request_id): with the contiguous
+        # policy, continue it / give it an extent; in any policy, count its pairs.
+        table = manager.req_to_blocks.get(request_id)
+        last = None
+        if table:
+            for block in reversed(table):
+                if not block.is_null:
+                    last = block.block_id
+                    break
+        if self.allocation == "contiguous":
+            key = (id(manager), request_id)
+            owner = self._table_owners.get(key)
+            if owner is None:
+                owner = self._table_owners[key] = self._next_owner
+                self._next_owner = self._next_owner % 0x7FFFFFF0 + 1
+            held = len(table) if table else 0
+            expected = self._expected_tokens.get(request_id)
+            if expected is not None:  # prompt + max_tokens, from allocate_slots
+                growth = -(-expected // manager.block_size) - held
+            else:  # unknown: room to double, as a growing array would
+                growth = held + num_blocks
+            want = max(num_blocks, min(growth, self._extent_cap))
+            hint = -1 if last is None else last + 1
+            if (
+                self._reuse_watchers
+                or self.metrics_collector is not None
+                or type(self)._maybe_evict_cached_block is not _VLLM_MAYBE_EVICT
+            ):
+                # vLLM's own loop (its callbacks see every block), on the policy's blocks.
+                self.free_block_queue.set_allocation_plan(hint, owner, want)
+                try:
+                    blocks = VllmBlockPool.get_new_blocks(self, num_blocks)
+                finally:
+                    self.free_block_queue.set_allocation_plan(-1, 0, 0)
+            else:
+                blocks = pool_get_new_blocks(
+                    self.free_block_queue,
+                    num_blocks,
+                    self.enable_caching,
+                    self.cached_block_hashes_by_block,
+                    self._maybe_evict_cached_block,
+                    hint,
+                    owner,
+                    want,
+                )
+        else:
+            self._table_context = None  # the plain path (not a subclass's override again)
+            try:
+                blocks = BlockPool.get_new_blocks(self, num_blocks)
+            finally:
+                self._table_context = (manager, request_id)
+        count_table_pairs(last, blocks, self._table_counters)
+        return blocks
+
+    def _end_table(self, manager, request_id: str) -> None:
+        # The request's table in `manager` is gone: release its reserved extent.
+        owner = self._table_owners.pop((id(manager), request_id), None)
+        if owner is not None:
+            self.free_block_queue.release_extent(owner)
+        self._expected_tokens.pop(request_id, None)
+
+    def _after_free(self) -> None:
+        # Blocks were freed. On idle (only the null block held): no table is live, so
+        # no extent is either; with KVPOOL_REORDER_ON_IDLE=1 the uncached segment is
+        # restored to block_id order.
+        if self.free_block_queue.num_free_blocks != self.num_gpu_blocks - 1:
+            return
+        if self.allocation == "contiguous":
+            self.free_block_queue.release_all_extents()
+            self._table_owners.clear()
+        elif self._restore_on_idle:
+            self.free_block_queue.rebuild_uncached_canonical()
+
     def free_blocks(self, ordered_blocks) -> None:
         """Decrement ``ref_cnt``; blocks reaching 0 return to the free queue, hashed
         ones at the LRU tail, others at the front. Blocks of another pool are forwarded
@@ -186,6 +284,8 @@ class BlockPool(VllmBlockPool):
         if others:
             for pool, blocks in others.items():
                 pool.free_blocks(blocks)
+        if self._restore_on_idle or self.allocation == "contiguous":
+            self._after_free()
 
     def touch(self, blocks) -> None:
         """``ref_cnt += 1`` for each block (prefix-cache hit), taking eviction
@@ -199,6 +299,8 @@ class BlockPool(VllmBlockPool):
         """Release references to blocks that stay readable until reused. Mirrors
         ``BlockPool.unpin_blocks``."""
         pool_unpin_blocks(self.free_block_queue, blocks, self._reuse_watchers, on_reuse)
+        if self._restore_on_idle or self.allocation == "contiguous":
+            self._after_free()
 
     def evict_blocks(self, block_ids) -> None:
         """Evict blocks from the prefix cache by id (``set[int]``). Mirrors
@@ -264,8 +366,13 @@ class BlockPool(VllmBlockPool):
         Call between rounds, when no request holds blocks (the precondition of
         ``reset_prefix_cache``). Prefix-cache hashes are kept.
 
+        With the contiguous allocation policy the uncached blocks are always in
+        order already; the LRU segment (cached blocks) keeps its order, so the
+        prefix cache's eviction order is untouched (see :mod:`kvpool.allocation`).
+
         Returns:
-            True on success: afterwards ``get_new_blocks(k)`` returns blocks 1..k.
+            True on success: afterwards ``get_new_blocks(k)`` returns blocks 1..k
+            (with the contiguous policy: the k lowest uncached blocks).
             False, with a warning, while any block other than the null block is in
             use; nothing changes then.
         """
@@ -277,8 +384,45 @@ class BlockPool(VllmBlockPool):
                 num_used_blocks - 1,
             )
             return False
-        self.free_block_queue.rebuild_canonical()
+        if self.allocation == "contiguous":
+            self.free_block_queue.rebuild_uncached_canonical()
+            self.free_block_queue.release_all_extents()
+            self._table_owners.clear()
+        else:
+            self.free_block_queue.rebuild_canonical()
         return True
+
+    def fragmentation_stats(self, reset: bool = True) -> dict[str, float]:
+        """Fragmentation of the free blocks and contiguity of the block tables
+        allocated since the last reset (kvpool addition, any allocation policy).
+
+        Args:
+            reset: start a new measurement window for the ``table_*`` values.
+
+        Returns:
+            ``free_blocks`` (blocks), ``free_runs`` (maximal runs of consecutive free
+            block ids), ``largest_free_run`` (blocks); over the blocks appended to
+            request block tables in the window: ``table_pairs`` (adjacent pairs,
+            including a table's old last block and its first new one),
+            ``table_contiguity`` (fraction of pairs with next id = previous + 1; 1.0
+            without pairs), ``descending_fraction`` (previous - 1), and
+            ``mean_run_length`` (blocks per ascending run started in the window).
+            O(num_gpu_blocks).
+        """
+        runs, longest = self.free_block_queue.free_runs()
+        blocks, pairs, ascending, descending = self._table_counters
+        started = blocks - ascending
+        if reset:
+            self._table_counters = [0, 0, 0, 0]
+        return {
+            "free_blocks": self.get_num_free_blocks(),
+            "free_runs": runs,
+            "largest_free_run": longest,
+            "table_pairs": pairs,
+            "table_contiguity": ascending / pairs if pairs else 1.0,
+            "descending_fraction": descending / pairs if pairs else 0.0,
+            "mean_run_length": blocks / started if started > 0 else float(blocks),
+        }
 
 
 __all__ = ["BlockHashToBlockMap", "BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock"]

@@ -131,7 +131,8 @@ def _drain_deferred_frees(self) -> None:
     if _is_native(queue):
         if queue:
             if _frees_natively(pool):
-                queue.free_ready(self.processed_step_seq, pool)
+                if queue.free_ready(self.processed_step_seq, pool):
+                    pool._after_free()
             else:
                 for blocks in queue.drain(self.processed_step_seq):
                     pool.free_blocks(blocks)

@@ -52,6 +52,7 @@ _state: _InstallState | None = None
 #: Modules with an ``apply(patcher: Patcher) -> None`` run by ``install()`` after the
 #: classes are bound, in this order.
 PATCH_MODULES: tuple[str, ...] = (
+    "kvpool.allocation",
     "kvpool.deferred_free",
     "kvpool.engine_api",
 )
@@ -134,24 +135,36 @@ def _rebase_subclasses(state: _InstallState, replacements: dict[str, Any]) -> No
         state.rebased.append((cls, old_bases))
 
 
-def install(*, force: bool = False) -> bool:
+def install(*, force: bool = False, allocation: str | None = None) -> bool:
     """Replace vLLM's block pool classes with kvpool's, in every vLLM module.
 
-    Idempotent: a second call does nothing and returns False.
+    Idempotent: a second call with the same policy does nothing and returns False.
 
     Args:
         force: patch a vLLM version that kvpool has not been validated against.
+        allocation: the allocation policy of the pools built from now on:
+            ``"vllm"`` (vLLM's exact order) or ``"contiguous"`` (opt-in, see
+            :mod:`kvpool.allocation`); None: ``$KVPOOL_ALLOCATION``, else ``"vllm"``.
 
     Returns:
         True if this call installed kvpool, False if it already was.
 
     Raises:
+        ValueError: an unknown policy, or one other than the installed one (call
+            ``uninstall()`` first).
         UnsupportedVLLMVersionError: vLLM is missing or its version is not supported.
         ImportError: kvpool's native core is not built.
     """
     global _state
+    from kvpool import allocation as _allocation
+
+    policy = _allocation.resolve(allocation)
     with _lock:
         if _state is not None:
+            if policy != _allocation.current():
+                raise ValueError(
+                    f"kvpool is installed with allocation={_allocation.current()!r}; "
+                    f"uninstall() before installing allocation={policy!r}")
             return False
         version = check_vllm_version(force=force)
         state = _InstallState(vllm_version=version, vanilla=vanilla_classes())
@@ -172,7 +185,8 @@ def install(*, force: bool = False) -> bool:
             _undo(state)
             raise
         _state = state
-        logger.debug("kvpool installed into vLLM %s", version)
+        _allocation.set_policy(policy)
+        logger.debug("kvpool installed into vLLM %s (allocation=%s)", version, policy)
         return True
 
 
@@ -206,6 +220,9 @@ def uninstall() -> bool:
             return False
         _undo(_state)
         _state = None
+        from kvpool import allocation as _allocation
+
+        _allocation.set_policy("vllm")
         return True
 
 

@@ -34,9 +34,15 @@ def register() -> None:
     except UnsupportedVLLMVersionError as e:
         logger.warning("kvpool: not activated: %s", e)
         return
+    except ValueError as e:  # an unknown KVPOOL_ALLOCATION
+        logger.warning("kvpool: not activated: %s", e)
+        return
+    from kvpool import allocation
+
     logger.info(
-        "kvpool %s active: native block pool patched into vLLM %s (pid %d)",
+        "kvpool %s active: native block pool patched into vLLM %s (pid %d), allocation policy %s",
         __version__,
         patching.installed_vllm_version(),
         os.getpid(),
+        allocation.current(),
     )

@@ -42,6 +42,10 @@ cdef class FreeKVCacheBlockQueue:
     cdef bint _lazy            # block objects are created on first use
     cdef object _lazy_pool
     cdef bint _tail_cut
+    # The contiguous order's plan for the next popleft_n (set_allocation_plan).
+    cdef int32_t _plan_hint
+    cdef int32_t _plan_owner
+    cdef int32_t _plan_want
     cdef vector[int32_t] _scratch
     cdef vector[PyObject*] _ptr_scratch
     cdef readonly KVCacheBlock fake_free_list_head

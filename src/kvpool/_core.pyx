@@ -26,7 +26,8 @@ import sys
 from libcpp.vector cimport vector
 from cython.operator cimport dereference as deref
 
-from kvpool.kvpool_cpp cimport FreeBlockList, FencedFreeQueue
+from kvpool.kvpool_cpp cimport (
+    FreeBlockList, FencedFreeQueue, Order, ORDER_VLLM, ORDER_SEGMENTS, ORDER_CONTIGUOUS)
 
 
 cdef extern from "Python.h":
@@ -90,7 +91,8 @@ include "block.pxi"               # KVCacheBlock
 include "free_queue.pxi"          # FreeKVCacheBlockQueue, make_pool_blocks
 include "block_table.pxi"         # BlockTable (block objects created on first use)
 include "block_lists.pxi"         # list / reversed(list) read in place
-include "alloc.pxi"               # pool_get_new_blocks
+include "alloc.pxi"               # pool_get_new_blocks (vLLM's order and the contiguous policy)
+include "allocation.pxi"          # table statistics of the allocation policies
 include "free.pxi"                # pool_free_blocks and the shared free loop
 include "touch.pxi"               # pool_touch
 include "unpin_evict.pxi"         # pool_unpin_blocks, pool_blocks_to_evict

@@ -5,10 +5,14 @@
 # --------------------------------------------------------------------------------------
 def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
                         bint enable_caching, dict cached_block_hashes_by_block,
-                        object evict_cached_block):
+                        object evict_cached_block, int32_t hint=-1, int32_t owner=0,
+                        int32_t want=0):
     """``BlockPool.get_new_blocks`` without per-block Python calls.
 
-    Pops ``num_blocks`` from the front of the free queue; for a block that still has
+    Pops ``num_blocks`` from the front of the free queue (with the contiguous
+    allocation policy: the blocks ``FreeBlockList::take`` chooses for the table of
+    ``owner`` that continues at block ``hint``, expecting ``want`` more blocks;
+    docs/design.md, "Allocation policies"); for a block that still has
     a prefix-cache hash (or extra hashes in ``cached_block_hashes_by_block``) calls
     ``evict_cached_block(block)``; checks ``ref_cnt == 0`` (after the callback, as
     vLLM's ``assert`` does) and sets it to 1. One pass over the blocks.
@@ -55,26 +59,42 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     # a plain free block; the walked run is then unlinked in one go. No Python code
     # runs until every block of the call is off the free list, as in vLLM. The
     # returned list is built last, so Python code never sees it half filled.
-    next_links = queue._list.next_links()
-    node = next_links[0]  # the fake head's next
-    while i < n:
-        slot = node - 2
-        o = table[slot]
-        if (o == none or (<KVCacheBlock>o)._ref_cnt_o != zero or (enable_caching and (
-                <PyObject*>(<KVCacheBlock>o)._block_hash != none or has_extra))):
-            break
-        popped[i] = slot
-        (<KVCacheBlock>o)._ref_cnt_o = one  # counted in n01
-        n01 += 1
-        Py_INCREF_ptr(o)
-        taken[i] = o
-        i += 1
-        node = next_links[node]
-    nset = i
-    queue._list.detach_front(popped.data(), <int32_t>i)
-    # The rest, popped first, one block at a time.
-    if i < n:
-        queue._list.popleft_n(<int32_t>(n - i), popped.data() + i)
+    if queue._list.order() == ORDER_CONTIGUOUS:
+        # The policy chooses the blocks and unlinks them at once; then the same
+        # common case as below, over the chosen blocks.
+        queue._list.take(<int32_t>n, hint, owner, want, popped.data())
+        while i < n:
+            o = table[popped[i]]
+            if (o == none or (<KVCacheBlock>o)._ref_cnt_o != zero or (enable_caching and (
+                    <PyObject*>(<KVCacheBlock>o)._block_hash != none or has_extra))):
+                break
+            (<KVCacheBlock>o)._ref_cnt_o = one  # counted in n01
+            n01 += 1
+            Py_INCREF_ptr(o)
+            taken[i] = o
+            i += 1
+        nset = i
+    else:
+        next_links = queue._list.next_links()
+        node = next_links[0]  # the fake head's next
+        while i < n:
+            slot = node - 2
+            o = table[slot]
+            if (o == none or (<KVCacheBlock>o)._ref_cnt_o != zero or (enable_caching and (
+                    <PyObject*>(<KVCacheBlock>o)._block_hash != none or has_extra))):
+                break
+            popped[i] = slot
+            (<KVCacheBlock>o)._ref_cnt_o = one  # counted in n01
+            n01 += 1
+            Py_INCREF_ptr(o)
+            taken[i] = o
+            i += 1
+            node = next_links[node]
+        nset = i
+        queue._list.detach_front(popped.data(), <int32_t>i)
+        # The rest, popped first, one block at a time.
+        if i < n:
+            queue._list.popleft_n(<int32_t>(n - i), popped.data() + i)
     insertions = queue._list.insertions()
     try:
         while i < n:
@@ -137,7 +157,7 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
             popped[nback] = slot
             nback += 1
         if nback:
-            queue._list.prepend_n_unchecked(popped.data(), <int32_t>nback)
+            queue._list.reinsert_front(popped.data(), <int32_t>nback)
         for j in range(i):
             Py_DECREF_ptr(taken[j])
         _flush(&rb)

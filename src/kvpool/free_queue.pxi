@@ -10,6 +10,9 @@ cdef inline KVCacheBlock _new_block(object block_id, object pool):
     return b
 
 
+_ORDER_NAMES = ("vllm", "segments", "contiguous")  # indexed by FreeBlockList::Order
+
+
 @cython.auto_pickle(False)
 cdef class FreeKVCacheBlockQueue:
     """Doubly linked list of free blocks in eviction order, native links.
@@ -38,6 +41,7 @@ cdef class FreeKVCacheBlockQueue:
         # A queue that was never initialised is an empty queue, not a crash.
         self._blocks = []
         self._list = FreeBlockList(0, True)
+        self._plan_hint = -1
         self.fake_free_list_head = _new_block(-1, None)
         self.fake_free_list_head._queue = self
         self.fake_free_list_head._slot = HEAD_SLOT
@@ -219,7 +223,13 @@ cdef class FreeKVCacheBlockQueue:
             raise ValueError(f"cannot pop {n} blocks: only {self._list.size()} free")
         slots.resize(n)
         refs.resize(n)
-        self._list.popleft_n(n, slots.data())
+        if self._list.order() == ORDER_CONTIGUOUS:
+            # The policy's choice (for the table set_allocation_plan named, if any).
+            hint, owner, want = self._plan_hint, self._plan_owner, self._plan_want
+            self._plan_hint, self._plan_owner, self._plan_want = -1, 0, 0
+            self._list.take(n, hint, owner, want, slots.data())
+        else:
+            self._list.popleft_n(n, slots.data())
         try:
             while i < n:
                 b = self._block_at(slots[i])
@@ -235,7 +245,7 @@ cdef class FreeKVCacheBlockQueue:
                     slots[nback] = slots[j]
                     nback += 1
             if nback:
-                self._list.prepend_n_unchecked(slots.data(), <int32_t>nback)
+                self._list.reinsert_front(slots.data(), <int32_t>nback)
             raise
         for i in range(n):
             kvpool_list_items(<PyObject*>out)[i] = refs[i]  # the list takes the reference
@@ -407,6 +417,79 @@ cdef class FreeKVCacheBlockQueue:
         for blk in free:
             order.push_back((<KVCacheBlock>blk)._slot)
         self._list.rebuild_in_order(order.data(), <int32_t>order.size())
+
+    # -- allocation policies (docs/design.md, "Allocation policies") ----------------------
+    @property
+    def allocation_order(self):
+        """``"vllm"`` (vLLM's order, the default), ``"segments"`` (vLLM's order, each free
+        block remembering whether it is in the uncached or the LRU segment) or
+        ``"contiguous"`` (uncached blocks kept sorted, served by position)."""
+        return _ORDER_NAMES[<int>self._list.order()]
+
+    def set_allocation_order(self, str order):
+        """Switch the order (see :attr:`allocation_order`). Leaving ``"vllm"`` treats
+        every free block as uncached, so switch on a queue that was never used (a pool
+        sets it at construction).
+
+        Raises:
+            ValueError: an unknown order, or a queue whose slots are not in block-id
+                order (only a pool's queue, whose slot is the block id, can order by
+                position).
+        """
+        cdef int code
+        if order not in _ORDER_NAMES:
+            raise ValueError(f"unknown allocation order {order!r}; choose from {_ORDER_NAMES}")
+        code = _ORDER_NAMES.index(order)
+        if code != <int>ORDER_VLLM and not self._ids_ascending:
+            raise ValueError("an allocation order needs a queue whose blocks were registered "
+                             "in ascending block_id order (a pool's queue)")
+        self._list.set_order(<Order>code)
+
+    def rebuild_uncached_canonical(self):
+        """Relink the uncached segment (blocks freed without a hash, never-used blocks)
+        in ascending ``block_id`` order; the LRU segment (blocks freed with a hash or
+        released by ``unpin``) keeps its order behind it. O(num_blocks).
+
+        Raises:
+            BlockStateError: the queue does not track its segments (order ``"vllm"``).
+        """
+        try:
+            self._list.rebuild_uncached_canonical()
+        except ValueError as e:
+            raise BlockStateError(str(e)) from None
+
+    def set_allocation_plan(self, int32_t hint, int32_t owner, int32_t want):
+        """Contiguous order: the next ``popleft_n`` takes its blocks for the table of
+        ``owner`` (an int > 0) that continues at block ``hint`` (-1: a new table) and
+        expects ``want`` more blocks, as ``FreeBlockList::take`` chooses them. Used when
+        vLLM's own allocation loop runs (reuse watchers, a metrics collector); one call
+        only."""
+        self._plan_hint, self._plan_owner, self._plan_want = hint, owner, want
+
+    def release_extent(self, int32_t owner):
+        """Forget the block ranges reserved for ``owner`` (contiguous order)."""
+        self._list.release(owner)
+
+    def release_all_extents(self):
+        """Forget every reserved block range (contiguous order)."""
+        self._list.release_all()
+
+    @property
+    def num_reserved_owners(self):
+        """Owners (request, KV cache group) holding a reserved block range."""
+        return self._list.num_reserved_owners()
+
+    @property
+    def num_uncached_free(self):
+        """Free blocks of the uncached segment (contiguous order; 0 otherwise)."""
+        return self._list.uncached().count()
+
+    def free_runs(self):
+        """``(num_runs, longest)``: maximal runs of consecutive free slots, and the
+        longest one's length in blocks. O(num_blocks)."""
+        cdef int32_t runs = 0, longest = 0
+        self._list.free_runs(&runs, &longest)
+        return runs, longest
 
     def free_block_ids(self):
         """Block ids of the free blocks in eviction order (a new list of int)."""

@@ -7,6 +7,14 @@ from libcpp.vector cimport vector
 
 
 cdef extern from "free_block_list.h" namespace "kvpool" nogil:
+    ctypedef enum Order "kvpool::FreeBlockList::Order":
+        ORDER_VLLM "kvpool::FreeBlockList::kVllmOrder"
+        ORDER_SEGMENTS "kvpool::FreeBlockList::kSegments"
+        ORDER_CONTIGUOUS "kvpool::FreeBlockList::kContiguous"
+
+    cdef cppclass SlotBitmap:
+        int32_t count()
+
     cdef cppclass FreeBlockList:
         FreeBlockList() except +
         FreeBlockList(int32_t capacity, cbool all_free) except +
@@ -33,6 +41,16 @@ cdef extern from "free_block_list.h" namespace "kvpool" nogil:
         void detach_front(const int32_t* slots, int32_t k)
         void remove_recording(int32_t slot, int32_t* prev_node, int32_t* next_node)
         void undo_remove(int32_t slot, int32_t prev_node, int32_t next_node)
+        Order order()
+        void set_order(Order order) except +
+        const SlotBitmap& uncached()
+        void take(int32_t n, int32_t hint, int32_t owner, int32_t want, int32_t* out) except +
+        void reinsert_front(const int32_t* slots, int32_t n) except +
+        void release(int32_t owner)
+        void release_all()
+        int32_t num_reserved_owners()
+        void rebuild_uncached_canonical() except +
+        void free_runs(int32_t* num_runs, int32_t* longest)
         void grow(int32_t extra) except +
         void rebuild_canonical()
         void rebuild_in_order(const int32_t* slots, int32_t n) except +

@@ -1,0 +1,182 @@
+"""The contiguous allocation policy through vLLM's own managers and scheduler, the idle
+restore, fragmentation statistics and the install switches (``kvpool.allocation``).
+
+The pool-level differential against vLLM (hits, evictions, events) is in
+``test_policy_differential.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+import kvpool
+from kvpool import allocation
+from kvpool.block_pool import BlockPool
+from vllm_helpers import make_request, make_scheduler, runner_output
+
+COMMON = dict(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32)
+SPECS = {
+    "full": FullAttentionSpec(**COMMON),
+    "sliding_window": SlidingWindowSpec(**COMMON, sliding_window=4096),
+    "chunked_local": ChunkedLocalAttentionSpec(**COMMON, attention_chunk_size=4096),
+    "cross_attention": CrossAttentionSpec(**COMMON),
+    "mamba": MambaSpec(block_size=16, shapes=((1,),), dtypes=(torch.float32,)),
+}
+
+
+def _grow_interleaved(spec, policy: str) -> tuple[dict[str, list[int]], dict]:
+    """Four requests of one KV cache group grow by 3 blocks a step, interleaved (as a
+    batch decodes), through vLLM's manager for ``spec`` on a kvpool pool."""
+    kvpool.install(allocation=policy)
+    try:
+        pool = BlockPool(512, False, 16)
+        manager = get_manager_for_kv_cache_spec(
+            spec, max_in_flight_tokens=2048, max_model_len=4096, block_pool=pool, enable_caching=False,
+            kv_cache_group_id=0, scheduler_block_size=16)
+        for r in range(4):
+            pool._expected_tokens[f"r{r}"] = 16 * 15  # what allocate_slots records: prompt + max_tokens
+        for step in range(1, 6):
+            for r in range(4):
+                manager.allocate_new_blocks(f"r{r}", 16 * 3 * step, 16 * 3 * step)
+        tables = {r: [b.block_id for b in blocks if not b.is_null] for r, blocks in manager.req_to_blocks.items()}
+        stats = pool.fragmentation_stats()
+        for r in list(manager.req_to_blocks):
+            manager.free(r)
+        assert pool.free_block_queue.num_reserved_owners == 0  # freeing a table releases its extent
+        return tables, stats
+    finally:
+        kvpool.uninstall()
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_every_kv_cache_group_type_grows_its_tables_in_one_extent(kind):
+    tables, stats = _grow_interleaved(SPECS[kind], "contiguous")
+    assert len(tables) == 4 and all(len(t) == 15 for t in tables.values())
+    for ids in tables.values():
+        assert ids == list(range(ids[0], ids[0] + 15))  # one run: the table's extent
+    assert stats["table_contiguity"] == 1.0 and stats["table_pairs"] == 4 * 14
+    vanilla_tables, vanilla_stats = _grow_interleaved(SPECS[kind], "vllm")
+    assert vanilla_stats["table_contiguity"] < 0.8  # vLLM's order interleaves the requests
+    assert sorted(len(t) for t in vanilla_tables.values()) == sorted(len(t) for t in tables.values())
+
+
+def _run_scheduler(policy: str, num_groups: int, steps: int = 24):
+    """A real Scheduler (1-3 KV cache groups, prefix caching on) serving requests that
+    share a prefix, with new ones arriving while others decode. Returns per step what
+    the scheduler decided (block ids aside) and every request's tables at its end."""
+    kvpool.install(allocation=policy)
+    try:
+        scheduler = make_scheduler(num_blocks=400, num_groups=num_groups, window_blocks=64)
+        managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+        shared = list(range(48))
+        decisions, tables = [], {}
+        for step in range(steps):
+            if step % 3 == 0 and step < 15:
+                for j in range(2):
+                    rid = f"s{step}-{j}"
+                    prompt = shared + [1000 + 17 * step + j] * (20 + 13 * j + step)
+                    scheduler.add_request(make_request(rid, prompt, max_tokens=6 + 5 * j))
+            so = scheduler.schedule()
+            for req_id in so.num_scheduled_tokens:
+                tables[req_id] = [[b.block_id for b in m.req_to_blocks.get(req_id, []) if not b.is_null]
+                                  for m in managers]
+            decisions.append((dict(so.num_scheduled_tokens), sorted(so.preempted_req_ids or []),
+                              so.num_common_prefix_blocks if hasattr(so, "num_common_prefix_blocks") else None))
+            scheduler.update_from_output(so, runner_output(so))
+        pool = scheduler.kv_cache_manager.block_pool
+        hits = scheduler.kv_cache_manager.prefix_cache_stats
+        return decisions, tables, pool, hits
+    finally:
+        kvpool.uninstall()
+
+
+@pytest.mark.parametrize("num_groups", [1, 2, 3])
+def test_scheduler_with_the_policy_decides_as_vllm_and_keeps_tables_contiguous(num_groups):
+    vanilla_decisions, vanilla_tables, _, _ = _run_scheduler("vllm", num_groups)
+    decisions, tables, pool, _ = _run_scheduler("contiguous", num_groups)
+    assert decisions == vanilla_decisions  # same tokens scheduled, same preemptions
+    assert tables.keys() == vanilla_tables.keys()
+
+    def own_runs_contiguous(groups) -> bool:
+        # After the 3 shared prefix blocks (a cache hit), a request's own blocks.
+        return all(ids[3:] == list(range(ids[3], ids[3] + len(ids) - 3)) for ids in groups if len(ids) > 3)
+
+    assert all(own_runs_contiguous(groups) for groups in tables.values()), tables
+    assert not all(own_runs_contiguous(groups) for groups in vanilla_tables.values())
+    shared = {tuple(groups[g][:3]) for groups in tables.values() for g in range(num_groups)}
+    assert len(shared) == num_groups  # the prefix is one cache hit for every request, as in vLLM
+    assert pool.fragmentation_stats()["table_pairs"] > 0
+
+
+def test_reorder_on_idle_restores_the_uncached_segment_and_keeps_the_lru_segment(monkeypatch):
+    monkeypatch.setenv(allocation.REORDER_ON_IDLE_ENV, "1")
+    pool = BlockPool(64, True, 16)
+    queue = pool.free_block_queue
+    assert pool.allocation == "vllm" and queue.allocation_order == "segments"
+    a, b, c = pool.get_new_blocks(5), pool.get_new_blocks(4), pool.get_new_blocks(6)
+    for i, block in enumerate(b):
+        pool._insert_block_hash(bytes([i]) * 4 + (0).to_bytes(4, "big"), block, num_tokens=16)
+    pool.free_blocks(reversed(b))  # hashed: the LRU segment
+    pool.free_blocks(reversed(a))
+    lru_before = [x.block_id for x in queue.get_all_free_blocks()][-4:]
+    assert queue.free_block_ids()[:5] == [5, 4, 3, 2, 1]  # LIFO: vLLM's order while not idle
+    pool.free_blocks(c[::2])
+    pool.free_blocks(c[1::2])  # the last held block: idle
+    ids = queue.free_block_ids()
+    assert ids[-4:] == lru_before  # the prefix cache's eviction order is untouched
+    assert ids[:-4] == sorted(ids[:-4])  # the uncached blocks are back in block_id order
+    assert pool.get_new_blocks(3)[0].block_id == ids[0]
+
+
+def test_without_the_switches_the_pool_keeps_vllm_s_exact_order():
+    pool = BlockPool(32, True, 16)
+    assert pool.allocation == "vllm" and pool.free_block_queue.allocation_order == "vllm"
+    a = pool.get_new_blocks(4)
+    pool.free_blocks(reversed(a))
+    assert pool.free_block_queue.free_block_ids()[:4] == [4, 3, 2, 1]  # LIFO, as vLLM
+
+
+def test_fragmentation_stats_window_and_free_runs():
+    allocation.set_policy("contiguous")
+    try:
+        pool = BlockPool(32, False, 16)
+    finally:
+        allocation.set_policy("vllm")
+    stats = pool.fragmentation_stats()
+    assert stats == {"free_blocks": 31, "free_runs": 1, "largest_free_run": 31, "table_pairs": 0,
+                     "table_contiguity": 1.0, "descending_fraction": 0.0, "mean_run_length": 0.0}
+    held = pool.get_new_blocks(6)
+    pool.free_blocks([held[1], held[3]])
+    stats = pool.fragmentation_stats()
+    assert stats["free_blocks"] == 27 and stats["free_runs"] == 3 and stats["largest_free_run"] == 25
+
+
+def test_install_switches(monkeypatch):
+    with pytest.raises(ValueError, match="unknown kvpool allocation policy"):
+        kvpool.install(allocation="fastest")
+    assert not kvpool.is_installed()
+    monkeypatch.setenv(allocation.ALLOCATION_ENV, "contiguous")
+    assert kvpool.install()
+    try:
+        assert allocation.current() == "contiguous"
+        assert BlockPool(8, False, 16).free_block_queue.allocation_order == "contiguous"
+        assert kvpool.install(allocation="contiguous") is False  # idempotent
+        with pytest.raises(ValueError, match="uninstall"):
+            kvpool.install(allocation="vllm")
+    finally:
+        kvpool.uninstall()
+    assert allocation.current() == "vllm"
+    monkeypatch.setenv(allocation.ALLOCATION_ENV, "bogus")
+    from kvpool import plugin
+
+    plugin.register()  # logs a warning, leaves vLLM as it is
+    assert not kvpool.is_installed()
