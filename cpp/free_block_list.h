@@ -164,6 +164,18 @@ class FreeBlockList {
   // at their sorted place and LRU ones, in the given order, at the LRU segment's
   // front. In the other orders this is prepend_n_unchecked without touching segments.
   void reinsert_front(const int32_t* slots, int32_t n);
+  // kContiguous: the LRU segment's first slot, or -1 when it is empty.
+  int32_t lru_front() const {
+    int32_t node = next_[lru_anchor()];
+    return node == kTail ? -1 : node - kFirst;
+  }
+  // kContiguous: move a free slot of the LRU segment into the uncached segment, at its
+  // sorted place (its caller knows it holds no cached data anyone can hit).
+  void make_uncached(int32_t slot) {
+    check_free(slot);
+    unlink_one(slot);
+    insert_uncached(&slot, 1);
+  }
   // Forget every reservation of `owner` (its request was freed) / of all owners.
   void release(int32_t owner);
   void release_all();

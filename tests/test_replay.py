@@ -1,5 +1,5 @@
 """``python -m kvpool replay``: metric definitions, workloads, and end-to-end runs of
-vLLM's real scheduler (no model) in all three modes.
+vLLM's real scheduler (no model) in all four modes.
 
 The end-to-end tests run the command line in a subprocess, as a user does: the offline
 Hugging Face cache must be entered before vLLM is imported, and kvpool's install state
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+import kvpool
 from kvpool.replay import metrics, workloads
-from kvpool.replay.driver import MODES, kvpool_unavailable_reason
+from kvpool.replay.driver import MODES, kvpool_unavailable_reason, mode_unavailable_reason
 
 REPO = Path(__file__).resolve().parents[1]
 ROUND_KEYS = {
@@ -32,6 +33,10 @@ ROUND_KEYS = {
     "distinct_blocks",
     "max_block_id",
     "preemptions",
+    "prefix_cache_hit_tokens",
+    "prefix_cache_query_tokens",
+    "evictions",
+    "eviction_digest",
     "deferred_frees",
     "drain_cpu_s_per_step",
     "leaked_blocks",
@@ -126,7 +131,9 @@ def _replay(tmp_path: Path, *args: str, modes=MODES) -> dict:
     out = tmp_path / "report.json"
     env = dict(os.environ)
     env["VLLM_TARGET_DEVICE"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
+    # The kvpool this test imported (the checkout's python/ when editable, site-packages
+    # when installed from a wheel): a plain install has no _core in python/kvpool.
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(kvpool.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "kvpool", "replay", "--no-progress", "--modes", ",".join(modes),
            "--json", str(out), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -135,13 +142,34 @@ def _replay(tmp_path: Path, *args: str, modes=MODES) -> dict:
 
 
 def _modes_here() -> tuple[str, ...]:
-    return MODES if kvpool_unavailable_reason() is None else ("vanilla",)
+    """The modes this environment can run (``kvpool+contiguous`` needs a kvpool whose
+    ``install()`` takes ``allocation=``)."""
+    return tuple(m for m in MODES if mode_unavailable_reason(m) is None)
 
 
 def _need_kvpool():
     why = kvpool_unavailable_reason()
     if why is not None:
         pytest.skip(f"kvpool modes skipped: {why}")
+
+
+def _need_contiguous():
+    why = mode_unavailable_reason("kvpool+contiguous")
+    if why is not None:
+        pytest.skip(f"kvpool+contiguous skipped: {why}")
+
+
+def _assert_cache_equal_to_vanilla(rep: dict) -> None:
+    """Every other mode's rounds have vanilla's prefix-cache hits, evictions (same
+    hashes, same order) and preemptions: what no allocation policy may change."""
+    van = rep["modes"]["vanilla"]["rounds"]
+    for mode, res in rep["modes"].items():
+        if mode == "vanilla":
+            continue
+        for a, b in zip(res["rounds"], van):
+            for key in ("prefix_cache_hit_tokens", "evictions", "eviction_digest", "preemptions"):
+                assert a[key] == b[key], (mode, a["round"], key, a[key], b[key])
+        assert rep["comparison"][mode]["rounds_cache_equal_to_vanilla"] == len(van), mode
 
 
 # Small GRPO shape whose rounds (~420 blocks of 16 tokens each) wrap a 1,500-block pool
@@ -169,8 +197,11 @@ def test_report_has_the_documented_shape(grpo_report):
             assert rnd["num_steps"] > 0 and rnd["sched_cpu_s_per_step"] > 0
             assert rnd["leaked_blocks"] == 0, (mode, i)
             assert rnd["preemptions"] == 0
+            assert 0 < rnd["prefix_cache_hit_tokens"] <= rnd["prefix_cache_query_tokens"]
             if i > 0:
                 assert rnd["reset_ok"] is True
+    if len(rep["modes"]) > 1:
+        _assert_cache_equal_to_vanilla(rep)
 
 
 def test_vanilla_runs_vllms_own_block_pool_and_scrambles_after_the_pool_wraps(grpo_report):
@@ -257,3 +288,125 @@ def test_a_workload_that_cannot_fit_the_pool_is_an_error_not_a_hang():
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert "usable blocks" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_kvpool_contiguous_keeps_vanillas_cache_behaviour_and_reports_its_policy(grpo_report):
+    _need_contiguous()
+    co = grpo_report["modes"]["kvpool+contiguous"]
+    assert co["info"]["allocation"] == "contiguous" and co["info"]["pool_allocation"] == "contiguous"
+    assert co["info"]["reorder_api"] is None and all("reorder_ok" not in r for r in co["rounds"])
+    assert grpo_report["comparison"]["kvpool+contiguous"]["rounds_cache_equal_to_vanilla"] == 6
+    assert "sched_cpu_ratio_vs_kvpool" in grpo_report["comparison"]["kvpool+contiguous"]
+
+
+def test_contiguous_mode_is_reported_unavailable_without_the_allocation_policy(monkeypatch):
+    from kvpool.replay import driver
+
+    def old_install(*, force=False):  # a kvpool from before the allocation policy
+        return True
+
+    monkeypatch.setattr(driver, "_kvpool_api", lambda: (old_install, lambda: True, lambda: False))
+    assert driver._install_kwargs(old_install, "vllm") == {}
+    why = driver.mode_unavailable_reason("kvpool+contiguous")
+    assert why is not None and "allocation" in why
+    assert driver.mode_unavailable_reason("kvpool") is None
+
+
+# --- serving: continuous load, rounds are windows ----------------------------------------
+
+
+def test_serving_arrivals_are_reproducible_poisson_with_shared_system_prompts():
+    a = workloads.serving(rounds=4, window_steps=500, seed=1)
+    assert a.requests == workloads.serving(rounds=4, window_steps=500, seed=1).requests
+    assert a.requests != workloads.serving(rounds=4, window_steps=500, seed=2).requests
+    assert a.continuous and a.window_steps == 500 and a.num_rounds == 4
+    steps = [r.arrival_step for r in a.requests]
+    assert steps == sorted(steps) and steps[0] == 0 and max(steps) < 4 * 500
+    assert sum(s == 0 for s in steps) >= 48  # the run starts loaded
+    assert all(r.round == r.arrival_step // 500 for r in a.requests)
+    # After the initial burst, gaps between arrivals look exponential: mean ~ 1/rate.
+    rate = a.params["arrival_rate_per_step"]
+    later = [s for s in steps if s > 0]
+    assert 0.5 / rate < (later[-1] - later[0]) / (len(later) - 1) < 2.0 / rate
+    grouped = [r for r in a.requests if r.prefix_group is not None]
+    assert 0.6 < len(grouped) / len(a.requests) < 0.9
+    by_group = {}
+    for r in grouped:
+        by_group.setdefault(r.prefix_group, set()).add(r.prefix_len)
+    assert all(len(lens) == 1 for lens in by_group.values())  # one system prompt per group
+    assert len({r.prompt_len for r in a.requests}) > 50 and len({r.output_len for r in a.requests}) > 50
+    eng = a.engine
+    assert eng.enable_prefix_caching and eng.enable_chunked_prefill and eng.max_num_seqs == 64
+
+
+def test_serving_model_keeps_32_to_64_requests_in_flight():
+    """The arrival generator's own engine model (residence = output + prefill steps)."""
+    wl = workloads.serving(rounds=6, window_steps=400, seed=0, scale=0.25)
+    events = []
+    for r in wl.requests:
+        events.append((r.arrival_step, 1))
+        events.append((r.arrival_step + r.output_len + -(-r.prompt_len // 8192), -1))
+    events.sort(key=lambda e: (e[0], e[1]))  # departures before arrivals at one step
+    n, seen = 0, []
+    for step, d in events:
+        n += d
+        if 0 < step < 6 * 400:
+            seen.append(n)
+    assert 32 <= min(seen) and max(seen) <= 64, (min(seen), max(seen))
+
+
+def test_continuous_trace_carries_arrival_steps_and_windows(tmp_path):
+    t = tmp_path / "serve.jsonl"
+    t.write_text(
+        '{"prompt_len": 300, "output_len": 20, "arrival_step": 0, "prefix_group": "sys", "prefix_len": 128}\n'
+        '{"prompt_len": 200, "output_len": 10, "arrival_step": 250}\n'
+        '{"prompt_len": 100, "output_len": 5, "arrival_step": 99}\n'
+    )
+    wl = workloads.from_trace(t, window_steps=100)
+    assert wl.continuous and wl.window_steps == 100 and wl.num_rounds == 3
+    assert [r.round for r in wl.requests] == [0, 2, 0]
+    assert [r.arrival_step for r in wl.stream_requests()] == [0, 99, 250]
+    assert wl.requests[0].shared_len() == 128 and wl.requests[1].shared_len() == 0
+    assert wl.engine.enable_chunked_prefill
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"round": 0, "prompt_len": 10, "output_len": 2}\n'
+                     '{"prompt_len": 10, "output_len": 2, "arrival_step": 3}\n')
+    with pytest.raises(ValueError, match=r"mixed\.jsonl:2"):
+        workloads.from_trace(mixed)
+    no_arrival = tmp_path / "na.jsonl"
+    no_arrival.write_text('{"prompt_len": 10, "output_len": 2}\n')
+    with pytest.raises(ValueError, match="arrival_step"):
+        workloads.from_trace(no_arrival)
+
+
+SERVING_SMALL = ("--workload", "serving", "--rounds", "2", "--window-steps", "150", "--block-size", "16",
+                 "--prompt-len", "256,2048", "--output-len", "16,128")
+
+
+def test_serving_never_idles_and_keeps_its_requests_in_flight(tmp_path):
+    rep = _replay(tmp_path, *SERVING_SMALL, "--num-blocks", "6000", modes=("vanilla",))
+    assert rep["workload"]["continuous"] is True
+    res = rep["modes"]["vanilla"]
+    assert len(res["rounds"]) == 2
+    for r in res["rounds"]:
+        assert r["num_steps"] == 150 and r["idle_steps"] == 0, r
+        assert 32 <= r["in_flight_min"] and r["in_flight_max"] <= 64, r
+        assert r["arrivals"] > 0 and r["finished"] > 0
+        assert r["contiguity"] is not None and r["prefix_cache_hit_tokens"] > 0
+    assert "reset_ok" not in res["rounds"][1]  # never drained, never reset
+    drain = res["info"]["drain"]
+    assert drain["leaked_blocks"] == 0 and drain["finished"] > 0
+
+
+def test_serving_under_preemption_keeps_vanillas_hits_evictions_and_preemptions(tmp_path):
+    """A pool too small for the load: requests are preempted and cached blocks evicted
+    every window; every kvpool mode must hit, evict and preempt exactly as vLLM."""
+    _need_kvpool()
+    modes = tuple(m for m in _modes_here() if m != "kvpool+reorder")  # reorder never runs mid-stream
+    rep = _replay(tmp_path, *SERVING_SMALL, "--num-blocks", "2000", modes=modes)
+    van = rep["modes"]["vanilla"]["rounds"]
+    assert sum(r["preemptions"] for r in van) > 0 and all(r["evictions"] > 0 for r in van)
+    _assert_cache_equal_to_vanilla(rep)
+    assert rep["comparison"]["kvpool"]["rounds_identical_to_vanilla"] == 2
+    for res in rep["modes"].values():
+        assert res["info"]["drain"]["leaked_blocks"] == 0

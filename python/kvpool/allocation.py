@@ -11,7 +11,10 @@ and for ``install()`` without the argument):
   vLLM's exact order and is reached only when no uncached block is left, as in
   vLLM. Which cached blocks are hit or evicted, in which order, the KV events and
   the preemptions are therefore vLLM's; only the ids of uncached allocations
-  differ (docs/design.md, "Allocation policies").
+  differ (docs/design.md, "Allocation policies"). Blocks that stop being cached join
+  the sorted segment where vLLM would serve them at the same moment anyway: every free
+  block after a successful ``reset_prefix_cache()``, and the LRU segment's leading
+  blocks without a hash or a reuse watcher.
 
 Per-request extents (contiguous policy): every allocation made for a request's
 block table (the single-type managers' ``allocate_new_blocks`` /

@@ -187,14 +187,18 @@ class BlockPool(VllmBlockPool):
             or type(self)._maybe_evict_cached_block is not _VLLM_MAYBE_EVICT
         ):
             # Callbacks that must see every block (a subclass's eviction hook too).
-            return VllmBlockPool.get_new_blocks(self, num_blocks)
-        return pool_get_new_blocks(
-            self.free_block_queue,
-            num_blocks,
-            self.enable_caching,
-            self.cached_block_hashes_by_block,
-            self._maybe_evict_cached_block,
-        )
+            blocks = VllmBlockPool.get_new_blocks(self, num_blocks)
+        else:
+            blocks = pool_get_new_blocks(
+                self.free_block_queue,
+                num_blocks,
+                self.enable_caching,
+                self.cached_block_hashes_by_block,
+                self._maybe_evict_cached_block,
+            )
+        if self.allocation == "contiguous":
+            self._absorb_unhashed()
+        return blocks
 
     def _extend_table(self, num_blocks: int, manager, request_id: str) -> list[KVCacheBlock]:
         # get_new_blocks for the table (manager, request_id): with the contiguous
@@ -249,7 +253,15 @@ class BlockPool(VllmBlockPool):
             finally:
                 self._table_context = (manager, request_id)
         count_table_pairs(last, blocks, self._table_counters)
+        if self.allocation == "contiguous":
+            self._absorb_unhashed()
         return blocks
+
+    def _absorb_unhashed(self) -> None:
+        # Contiguous policy: the LRU segment's leading blocks without a hash (or a reuse
+        # watcher) are served by vLLM right after the uncached ones; let them join the
+        # sorted uncached segment (nothing cached is hit or evicted differently).
+        self.free_block_queue.absorb_unhashed_lru_front(self.cached_block_hashes_by_block, self._reuse_watchers)
 
     def _end_table(self, manager, request_id: str) -> None:
         # The request's table in `manager` is gone: release its reserved extent.
@@ -292,13 +304,17 @@ class BlockPool(VllmBlockPool):
         candidates out of the free queue. Mirrors ``BlockPool.touch``."""
         if self.metrics_collector is not None:
             VllmBlockPool.touch(self, blocks)
-            return
-        pool_touch(self.free_block_queue, blocks)
+        else:
+            pool_touch(self.free_block_queue, blocks)
+        if self.allocation == "contiguous":
+            self._absorb_unhashed()
 
     def unpin_blocks(self, blocks, on_reuse) -> None:
         """Release references to blocks that stay readable until reused. Mirrors
         ``BlockPool.unpin_blocks``."""
         pool_unpin_blocks(self.free_block_queue, blocks, self._reuse_watchers, on_reuse)
+        if self.allocation == "contiguous":
+            self._absorb_unhashed()
         if self._restore_on_idle or self.allocation == "contiguous":
             self._after_free()
 
@@ -315,6 +331,8 @@ class BlockPool(VllmBlockPool):
             self.blocks, block_ids, self.cached_block_hashes_by_block, every_block
         ):
             self._maybe_evict_cached_block(block)
+        if self.allocation == "contiguous":
+            self._absorb_unhashed()
 
     # -- reset / reorder ---------------------------------------------------------------
     def reset_prefix_cache(self, reorder_free_queue: bool = False) -> bool:
@@ -353,6 +371,9 @@ class BlockPool(VllmBlockPool):
         logger.info("Successfully reset prefix cache")
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
+        if self.allocation == "contiguous":
+            # Nothing is cached any more: every free block is uncached, sorted.
+            self.free_block_queue.rebuild_canonical()
         if reorder_free_queue or os.environ.get(REORDER_ON_RESET_ENV) == "1":
             self.reset_free_block_queue_order()
         return True

@@ -54,6 +54,7 @@ _state: _InstallState | None = None
 PATCH_MODULES: tuple[str, ...] = (
     "kvpool.allocation",
     "kvpool.deferred_free",
+    "kvpool.metrics",
     "kvpool.engine_api",
 )
 

@@ -458,6 +458,40 @@ cdef class FreeKVCacheBlockQueue:
         except ValueError as e:
             raise BlockStateError(str(e)) from None
 
+    def absorb_unhashed_lru_front(self, dict cached_block_hashes_by_block, dict reuse_watchers):
+        """Contiguous order: move the LRU segment's leading blocks that hold no
+        prefix-cache hash (``block_hash`` None, no entry in
+        ``cached_block_hashes_by_block``) and no reuse watcher into the sorted uncached
+        segment. vLLM hands those out right after the uncached blocks and before the
+        first cached one, exactly as the uncached segment is served, so which cached
+        blocks are hit or evicted, and when, does not change. Block id = slot (a pool's
+        queue).
+
+        Returns:
+            Number of blocks moved (int).
+        """
+        cdef int32_t slot
+        cdef Py_ssize_t moved = 0
+        cdef KVCacheBlock b
+        if self._list.order() != ORDER_CONTIGUOUS:
+            return 0
+        while True:
+            slot = self._list.lru_front()
+            if slot < 0:
+                break
+            o = self._blocks[slot]
+            if o is not None:
+                b = <KVCacheBlock>o
+                if b._block_hash is not None:
+                    break
+                if cached_block_hashes_by_block and slot in cached_block_hashes_by_block:
+                    break
+            if reuse_watchers and slot in reuse_watchers:
+                break
+            self._list.make_uncached(slot)
+            moved += 1
+        return moved
+
     def set_allocation_plan(self, int32_t hint, int32_t owner, int32_t want):
         """Contiguous order: the next ``popleft_n`` takes its blocks for the table of
         ``owner`` (an int > 0) that continues at block ``hint`` (-1: a new table) and

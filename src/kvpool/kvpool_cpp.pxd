@@ -46,6 +46,8 @@ cdef extern from "free_block_list.h" namespace "kvpool" nogil:
         const SlotBitmap& uncached()
         void take(int32_t n, int32_t hint, int32_t owner, int32_t want, int32_t* out) except +
         void reinsert_front(const int32_t* slots, int32_t n) except +
+        int32_t lru_front()
+        void make_uncached(int32_t slot) except +
         void release(int32_t owner)
         void release_all()
         int32_t num_reserved_owners()

@@ -39,17 +39,23 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m kvpool replay",
         description=(
             "Drive vLLM's real Scheduler/KVCacheManager (no model) through a workload and "
-            "report block-table contiguity and scheduler CPU per round, for vanilla vLLM, "
-            "kvpool, and kvpool with the canonical free-list reorder between rounds."
+            "report block-table contiguity, prefix-cache hits, evictions, preemptions and "
+            "scheduler CPU per round, for vanilla vLLM, kvpool, kvpool with the canonical "
+            "free-list reorder between rounds, and kvpool's contiguous allocation policy."
         ),
     )
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="grpo",
-                   help="built-in workload (default: grpo, the RFC's GRPO rollout shape)")
+                   help="built-in workload (default: grpo, the RFC's GRPO rollout shape; serving: "
+                   "never idle, rounds are windows of engine steps)")
     p.add_argument("--trace", metavar="FILE.jsonl",
                    help="replay a JSON-lines trace instead of a built-in workload (docs/replay.md)")
     p.add_argument("--modes", type=_modes, default=MODES,
                    help=f"comma-separated subset of {','.join(MODES)} (default: all)")
     p.add_argument("--rounds", type=int, help="number of rounds (trace: keep the first N)")
+    p.add_argument("--window-steps", type=int, metavar="N",
+                   help="serving and continuous traces: engine steps per round (default 1000)")
+    p.add_argument("--in-flight", type=_range, metavar="LO,HI",
+                   help="serving: requests in flight (default 32,64)")
     p.add_argument("--num-blocks", type=int, default=85_000, help="KV blocks in the pool (default 85000)")
     p.add_argument("--block-size", type=int, default=32, help="tokens per block (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seed for lengths and token ids (default 0)")
@@ -62,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the workload's prefix caching setting")
     p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="write contiguity/CPU per round per mode")
+    p.add_argument("--save-tables", action="store_true",
+                   help="with --json: keep every round's per-request block tables (prompt and final) "
+                   "in the JSON, for `python -m kvpool locality --replay-tables`")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--quiet", action="store_true", help="no tables (implies --no-progress)")
     return p
@@ -71,7 +80,7 @@ def make_workload(args: argparse.Namespace) -> Workload:
     if args.trace:
         if args.prompt_len or args.output_len:
             raise SystemExit("replay: --prompt-len/--output-len apply to built-in workloads, not --trace")
-        wl = from_trace(args.trace, scale=args.scale)
+        wl = from_trace(args.trace, scale=args.scale, window_steps=args.window_steps or 1000)
         if args.rounds is not None:
             wl = truncate_rounds(wl, args.rounds)
     else:
@@ -82,6 +91,13 @@ def make_workload(args: argparse.Namespace) -> Workload:
             kwargs["prompt_len"] = args.prompt_len
         if args.output_len:
             kwargs["output_len"] = args.output_len
+        serving_only = {"window_steps": args.window_steps, "in_flight": args.in_flight}
+        for key, value in serving_only.items():
+            if value is None:
+                continue
+            if args.workload != "serving":
+                raise SystemExit(f"replay: --{key.replace('_', '-')} applies to --workload serving and traces")
+            kwargs[key] = value
         wl = WORKLOADS[args.workload](**kwargs)
     if args.prefix_caching is not None:
         on = args.prefix_caching == "on"
@@ -113,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.block_size < 1 or args.num_blocks < 2:
         raise SystemExit("replay: --block-size must be >= 1 and --num-blocks >= 2")
+    if args.window_steps is not None and args.window_steps < 1:
+        raise SystemExit("replay: --window-steps must be >= 1")
+    if args.save_tables and not args.json:
+        raise SystemExit("replay: --save-tables needs --json PATH (the tables go into the JSON)")
     # The replay never touches a device; vLLM still needs to know which platform it is on.
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -160,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                 progress.update(task, advance=wl.num_rounds)
 
         try:
-            res = driver.run_replay(wl, pool, args.modes, seed=args.seed, on_round=on_round, on_skip=on_skip)
+            res = driver.run_replay(wl, pool, args.modes, seed=args.seed, on_round=on_round, on_skip=on_skip,
+                                    save_tables=args.save_tables)
         except (ValueError, RuntimeError) as e:  # workload does not fit the pool, no progress
             err.print(f"python -m kvpool replay: error: {e}")
             return 2

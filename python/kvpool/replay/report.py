@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-_RICH = {"vanilla": "red", "kvpool": "yellow", "kvpool+reorder": "green"}
+_RICH = {"vanilla": "red", "kvpool": "yellow", "kvpool+reorder": "green", "kvpool+contiguous": "blue"}
 
 
 def _f(x: float | None, fmt: str = "{:.3f}") -> str:
@@ -72,6 +72,47 @@ def render_tables(report: dict[str, Any], console) -> None:
         cols.append(("drain us/step", "drain_cpu_s_per_step", lambda v: "-" if v is None else f"{v * 1e6:.2f}"))
     console.print(per_round("runs (blocks), descending pairs, scheduler CPU per step", cols))
 
+    # Prefix cache and preemptions: vanilla's numbers, and per other mode whether its
+    # round had exactly those (hit tokens, evicted hashes in order, preemptions).
+    t = Table(title="prefix-cache hit tokens, evictions (cached blocks), preemptions; "
+              "other modes: all three equal to vanilla's (evictions: same hashes, same order)",
+              title_justify="left")
+    t.add_column("round", justify="right")
+    ref_mode = "vanilla" if "vanilla" in modes else next(iter(modes))
+    for label in ("hit tokens", "evictions", "preemptions"):
+        t.add_column(head(label, ref_mode), justify="right")
+    others = [m for m in modes if m != ref_mode]
+    for m in others:
+        t.add_column(head(f"= {ref_mode}", m), justify="center")
+    ref = modes[ref_mode]["rounds"]
+    for i in range(n):
+        rr = ref[i] if i < len(ref) else {}
+        row = [str(i), str(rr.get("prefix_cache_hit_tokens", "-")), str(rr.get("evictions", "-")),
+               str(rr.get("preemptions", "-"))]
+        for m in others:
+            xs = modes[m]["rounds"]
+            if i >= len(xs) or not rr:
+                row.append("-")
+                continue
+            same = all(xs[i].get(k) == rr.get(k) for k in
+                       ("prefix_cache_hit_tokens", "evictions", "eviction_digest", "preemptions"))
+            row.append("[green]yes[/]" if same else "[bold red]NO[/]")
+        t.add_row(*row)
+    console.print(t)
+
+    if wl.get("continuous"):
+        first = modes[ref_mode]["rounds"]
+        t = Table(title=f"continuous load ({ref_mode}): rounds are windows of {wl.get('window_steps')} engine steps",
+                  title_justify="left")
+        for label in ("round", "arrivals", "finished", "in flight min-max (mean)", "running min-max",
+                      "idle steps"):
+            t.add_column(label, justify="right")
+        for x in first:
+            t.add_row(str(x["round"]), str(x["arrivals"]), str(x["finished"]),
+                      f"{x['in_flight_min']}-{x['in_flight_max']} ({x['in_flight_mean']:.1f})",
+                      f"{x['running_min']}-{x['running_max']}", str(x["idle_steps"]))
+        console.print(t)
+
     cmp_ = report.get("comparison", {})
     s = Table(title="per mode, all rounds", title_justify="left")
     s.add_column("")
@@ -92,6 +133,8 @@ def render_tables(report: dict[str, Any], console) -> None:
     row("engine steps", total("num_steps"))
     row("sched CPU us/step", lambda m, r, c: _us(c.get("sched_cpu_s_per_step")))
     row("  vs vanilla", lambda m, r, c: _f(c.get("sched_cpu_ratio_vs_vanilla"), "{:.2f}x"))
+    if "kvpool" in modes:
+        row("  vs kvpool", lambda m, r, c: _f(c.get("sched_cpu_ratio_vs_kvpool"), "{:.2f}x"))
     row("prefill-step CPU ms/round", lambda m, r, c: _f(
         sum(x["prefill_sched_cpu_s"] for x in r["rounds"]) / len(r["rounds"]) * 1e3, "{:.2f}"))
     if deferred:
@@ -108,6 +151,15 @@ def render_tables(report: dict[str, Any], console) -> None:
         lambda m, r, c: f"{_f(c.get('min_contiguity'))} / {_f(c.get('mean_contiguity'))}")
     row("highest block id used", lambda m, r, c: str(max(x["max_block_id"] for x in r["rounds"])))
     row("preemptions", total("preemptions"))
+    row("prefix-cache hit tokens", total("prefix_cache_hit_tokens"))
+    row("evictions (cached blocks)", total("evictions"))
+
+    def cache_equal(m, r, c):
+        if c.get("rounds_cache_equal_to_vanilla") is None:
+            return "-"
+        return f"{c['rounds_cache_equal_to_vanilla']}/{c['rounds_compared']} rounds"
+
+    row("hits/evictions/preemptions equal to vanilla", cache_equal)
     row("blocks not freed after a round", lambda m, r, c: str(c.get("max_leaked_blocks", 0)))
     row("rounds with vanilla's exact tables", lambda m, r, c: "-" if c.get("rounds_identical_to_vanilla") is None
         else f"{c['rounds_identical_to_vanilla']}/{len(r['rounds'])}")
@@ -120,6 +172,10 @@ def render_tables(report: dict[str, Any], console) -> None:
         return f"{ok}/{len(xs)} ok, {sum(xs) / len(xs) * 1e6:.1f} us"
 
     row("reorder between rounds", reorder)
+    if wl.get("continuous"):
+        row("drain after the last window (steps)", lambda m, r, c: str(r["info"].get("drain", {}).get("steps", "-")))
+        row("blocks not freed after the drain",
+            lambda m, r, c: str(r["info"].get("drain", {}).get("leaked_blocks", "-")))
     console.print(s)
 
 
@@ -129,6 +185,7 @@ _PLOT = {
     "vanilla": {"color": "tab:red", "lw": 5, "alpha": 0.45, "marker": "o", "ms": 9},
     "kvpool": {"color": "tab:orange", "lw": 1.5, "alpha": 1.0, "marker": "x", "ms": 7},
     "kvpool+reorder": {"color": "tab:green", "lw": 2, "alpha": 1.0, "marker": "s", "ms": 5},
+    "kvpool+contiguous": {"color": "tab:blue", "lw": 2, "alpha": 1.0, "marker": "^", "ms": 6},
 }
 
 
@@ -158,9 +215,13 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
         for m, r in modes.items():
             st = _PLOT.get(m, {})
             label = m
-            if cmp_.get(m, {}).get("rounds_identical_to_vanilla") == len(r["rounds"]):
+            c = cmp_.get(m, {})
+            if c.get("rounds_identical_to_vanilla") == len(r["rounds"]):
                 label += " (tables identical to vanilla)"
-            ax.plot([x["round"] for x in r["rounds"]], [x[key] for x in r["rounds"]], "-", label=label, **st)
+            elif c.get("rounds_cache_equal_to_vanilla") == len(r["rounds"]):
+                label += " (hits/evictions/preemptions = vanilla)"
+            ys = [float("nan") if x[key] is None else x[key] for x in r["rounds"]]
+            ax.plot([x["round"] for x in r["rounds"]], ys, "-", label=label, **st)
         ax.set_title(f"{what}: id[i+1] == id[i] + 1", fontsize=10)
         ax.set_ylabel("fraction of adjacent logical blocks")
         ax.set_ylim(-0.03, 1.05)
