@@ -181,12 +181,7 @@ class BlockPool(VllmBlockPool):
         context = self._table_context
         if context is not None:
             return self._extend_table(num_blocks, *context)
-        if (
-            self._reuse_watchers
-            or self.metrics_collector is not None
-            or type(self)._maybe_evict_cached_block is not _VLLM_MAYBE_EVICT
-        ):
-            # Callbacks that must see every block (a subclass's eviction hook too).
+        if self._needs_vllm_loop():
             blocks = VllmBlockPool.get_new_blocks(self, num_blocks)
         else:
             blocks = pool_get_new_blocks(
@@ -224,12 +219,7 @@ class BlockPool(VllmBlockPool):
                 growth = held + num_blocks
             want = max(num_blocks, min(growth, self._extent_cap))
             hint = -1 if last is None else last + 1
-            if (
-                self._reuse_watchers
-                or self.metrics_collector is not None
-                or type(self)._maybe_evict_cached_block is not _VLLM_MAYBE_EVICT
-            ):
-                # vLLM's own loop (its callbacks see every block), on the policy's blocks.
+            if self._needs_vllm_loop():  # on the policy's blocks
                 self.free_block_queue.set_allocation_plan(hint, owner, want)
                 try:
                     blocks = VllmBlockPool.get_new_blocks(self, num_blocks)
@@ -256,6 +246,15 @@ class BlockPool(VllmBlockPool):
         if self.allocation == "contiguous":
             self._absorb_unhashed()
         return blocks
+
+    def _needs_vllm_loop(self) -> bool:
+        # Callbacks that must see every allocated block (reuse watchers, a metrics
+        # collector, a subclass's eviction hook) get vLLM's own allocation loop.
+        return bool(
+            self._reuse_watchers
+            or self.metrics_collector is not None
+            or type(self)._maybe_evict_cached_block is not _VLLM_MAYBE_EVICT
+        )
 
     def _absorb_unhashed(self) -> None:
         # Contiguous policy: the LRU segment's leading blocks without a hash (or a reuse
