@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
 
 import pytest
 from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
 
-from kvpool import FencedDeferredFreeQueue, allocation
+from kvpool import allocation
 from kvpool.block_pool import BlockPool
-from pool_workload import PoolWorkload, key_group
+from pool_workload import KvpoolSide, PoolWorkload, VllmSide, key_group
 
 NUM_OPS = int(os.environ.get("KVPOOL_POLICY_DIFF_OPS", "20000"))
 SEED = int(os.environ.get("KVPOOL_DIFF_SEED", "20261130"))
@@ -48,34 +47,16 @@ class _Table:
         self.req_to_blocks: dict[str, list] = {}
 
 
-class VanillaSide:
+class VanillaSide(VllmSide):
     """vLLM 0.33.0's pool with KV events; no reorder (vanilla vLLM has none)."""
 
-    name = "vllm"
-
     def __init__(self, num_blocks: int):
+        super().__init__(num_blocks)
         self.pool = VllmBlockPool(num_blocks, enable_caching=True, hash_block_size=16,
                                   enable_kv_cache_events=True)
-        self.deferred: deque = deque()
 
     def alloc(self, n: int, table_key) -> list:
         return self.pool.get_new_blocks(n)
-
-    def push_deferred(self, fence_seq: int, groups: list[list]) -> None:
-        groups = [g for g in groups if g]
-        if groups:
-            self.deferred.append((fence_seq, groups))
-
-    def free_ready(self, processed_step_seq: int) -> int:
-        calls = 0
-        while self.deferred and self.deferred[0][0] <= processed_step_seq:
-            for group in self.deferred.popleft()[1]:
-                self.pool.free_blocks(group)
-                calls += 1
-        return calls
-
-    def num_deferred(self) -> int:
-        return len(self.deferred)
 
     def reorder(self) -> bool:
         return self.pool.get_num_free_blocks() == self.pool.num_gpu_blocks - 1
@@ -84,12 +65,13 @@ class VanillaSide:
         return self.pool.reset_prefix_cache()
 
 
-class ContiguousSide:
+class ContiguousSide(KvpoolSide):
     """kvpool's pool with the contiguous policy; allocations may name their table."""
 
     name = "kvpool-contiguous"
 
     def __init__(self, num_blocks: int):
+        super().__init__(num_blocks)
         previous = allocation.current()
         allocation.set_policy("contiguous")
         try:
@@ -98,7 +80,6 @@ class ContiguousSide:
         finally:
             allocation.set_policy(previous)
         assert self.pool.free_block_queue.allocation_order == "contiguous"
-        self.deferred = FencedDeferredFreeQueue()
         self.manager = _Table()
         # vLLM block id -> kvpool block id, for held blocks and the LRU segment.
         self.to_kvpool: dict[int, int] = {}
@@ -122,23 +103,11 @@ class ContiguousSide:
         self.manager.req_to_blocks.pop(table_key, None)
         self.pool._end_table(self.manager, table_key)
 
-    def push_deferred(self, fence_seq: int, groups: list[list]) -> None:
-        self.deferred.push_groups(fence_seq, groups)
-
     def free_ready(self, processed_step_seq: int) -> int:
-        freed = self.deferred.free_ready(processed_step_seq, self.pool)
+        freed = super().free_ready(processed_step_seq)
         if freed:
             self.pool._after_free()
         return freed
-
-    def num_deferred(self) -> int:
-        return len(self.deferred)
-
-    def reorder(self) -> bool:
-        return self.pool.reset_free_block_queue_order()
-
-    def reset(self, reorder: bool) -> bool:
-        return self.pool.reset_prefix_cache(reorder_free_queue=reorder)
 
 
 def _events(pool) -> list:

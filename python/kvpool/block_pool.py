@@ -184,13 +184,7 @@ class BlockPool(VllmBlockPool):
         if self._needs_vllm_loop():
             blocks = VllmBlockPool.get_new_blocks(self, num_blocks)
         else:
-            blocks = pool_get_new_blocks(
-                self.free_block_queue,
-                num_blocks,
-                self.enable_caching,
-                self.cached_block_hashes_by_block,
-                self._maybe_evict_cached_block,
-            )
+            blocks = self._native_get_new_blocks(num_blocks)
         if self.allocation == "contiguous":
             self._absorb_unhashed()
         return blocks
@@ -226,16 +220,7 @@ class BlockPool(VllmBlockPool):
                 finally:
                     self.free_block_queue.set_allocation_plan(-1, 0, 0)
             else:
-                blocks = pool_get_new_blocks(
-                    self.free_block_queue,
-                    num_blocks,
-                    self.enable_caching,
-                    self.cached_block_hashes_by_block,
-                    self._maybe_evict_cached_block,
-                    hint,
-                    owner,
-                    want,
-                )
+                blocks = self._native_get_new_blocks(num_blocks, hint, owner, want)
         else:
             self._table_context = None  # the plain path (not a subclass's override again)
             try:
@@ -246,6 +231,19 @@ class BlockPool(VllmBlockPool):
         if self.allocation == "contiguous":
             self._absorb_unhashed()
         return blocks
+
+    def _native_get_new_blocks(self, num_blocks: int, hint: int = -1, owner: int = 0, want: int = 0) -> list:
+        # The native loop (alloc.pxi); hint/owner/want: the contiguous policy's table.
+        return pool_get_new_blocks(
+            self.free_block_queue,
+            num_blocks,
+            self.enable_caching,
+            self.cached_block_hashes_by_block,
+            self._maybe_evict_cached_block,
+            hint,
+            owner,
+            want,
+        )
 
     def _needs_vllm_loop(self) -> bool:
         # Callbacks that must see every allocated block (reuse watchers, a metrics
