@@ -233,6 +233,21 @@ class FreeBlockList {
     if (order_ == kContiguous) uncached_.reset(slot);
   }
   void reserve(int32_t owner, int32_t start, int32_t len);
+  // kContiguous: unlink the uncached slots [start, start + len), which are adjacent
+  // nodes of the sorted uncached segment, in one splice; their slots go to out.
+  void unlink_uncached_run(int32_t start, int32_t len, int32_t* out) {
+    if (len <= 0) return;
+    int32_t first = start + kFirst, last = start + len - 1 + kFirst;
+    int32_t p = prev_[first], n = next_[last];
+    next_[p] = n;
+    prev_[n] = p;
+    for (int32_t i = 0; i < len; ++i) {
+      prev_[first + i] = next_[first + i] = kNotFree;
+      out[i] = start + i;
+    }
+    size_ -= len;
+    uncached_.reset_range(start, start + len);
+  }
 
   int32_t capacity_ = 0;
   int32_t size_ = 0;
@@ -555,6 +570,33 @@ inline void FreeBlockList::set_order(Order order) {
 }
 
 inline void FreeBlockList::insert_uncached(const int32_t* slots, int32_t n) {
+  // A freed table is usually one run of consecutive slots (reversed): link it in one
+  // splice at its sorted place.
+  if (n > 1) {
+    int32_t step = slots[1] - slots[0];
+    bool run = step == 1 || step == -1;
+    for (int32_t i = 2; run && i < n; ++i) run = slots[i] - slots[i - 1] == step;
+    if (run) {
+      int32_t lo = step == 1 ? slots[0] : slots[n - 1];
+      int32_t p = uncached_.find_prev(lo);
+      int32_t before = p < 0 ? kHead : p + kFirst;
+      int32_t after = next_[before];
+      int32_t last = before;
+      for (int32_t i = 0; i < n; ++i) {
+        int32_t node = lo + i + kFirst;
+        next_[last] = node;
+        prev_[node] = last;
+        last = node;
+      }
+      next_[last] = after;
+      prev_[after] = last;
+      std::fill(lru_.begin() + lo, lru_.begin() + lo + n, 0);
+      uncached_.set_range(lo, lo + n);
+      size_ += n;
+      insertions_ += static_cast<uint64_t>(n);
+      return;
+    }
+  }
   for (int32_t i = 0; i < n; ++i) {
     int32_t s = slots[i];
     int32_t node = s + kFirst;
@@ -616,9 +658,15 @@ inline void FreeBlockList::release(int32_t owner) {
 }
 
 inline void FreeBlockList::release_all() {
-  if (order_ != kContiguous) return;
-  reserved_.clear();
-  std::fill(owner_of_.begin(), owner_of_.end(), 0);
+  // Extent by extent: O(reserved slots), not O(capacity) (this runs whenever the pool
+  // empties).
+  for (const auto& owner_extents : extents_) {
+    for (const auto& extent : owner_extents.second) {
+      int32_t end = extent.first + extent.second;
+      reserved_.reset_range(extent.first, end);
+      std::fill(owner_of_.begin() + extent.first, owner_of_.begin() + end, 0);
+    }
+  }
   extents_.clear();
 }
 
@@ -635,10 +683,10 @@ inline void FreeBlockList::take(int32_t n, int32_t hint, int32_t owner, int32_t 
   };
   // 1. The table's continuation.
   if (hint >= 0 && owner > 0) {
-    for (int32_t s = hint; k < n && usable(s); ++s) {
-      unlink_one(s);
-      out[k++] = s;
-    }
+    int32_t len = 0;
+    while (k + len < n && usable(hint + len)) ++len;
+    unlink_uncached_run(hint, len, out + k);
+    k += len;
   }
   // 2. A new extent where the expected growth fits.
   if (k < n && owner > 0) {
@@ -651,18 +699,28 @@ inline void FreeBlockList::take(int32_t n, int32_t hint, int32_t owner, int32_t 
     }
     if (start >= 0) {
       reserve(owner, start, len);
-      for (int32_t s = start; k < n; ++s) {
-        unlink_one(s);
-        out[k++] = s;
-      }
+      unlink_uncached_run(start, n - k, out + k);
+      k = n;
     }
   }
-  // 3. The lowest unreserved uncached slots, then 4. those reserved by others.
+  // 3. The lowest unreserved uncached slots, then 4. those reserved by others, a run
+  // of consecutive slots at a time.
   for (int pass = 0; pass < 2 && k < n; ++pass) {
-    for (int32_t s = uncached_.find_next(0); k < n && s >= 0; s = uncached_.find_next(s + 1)) {
-      if (pass == 0 && reserved_.test(s) && owner_of_[s] != owner) continue;
-      unlink_one(s);
-      out[k++] = s;
+    int32_t s = uncached_.find_next(0);
+    while (k < n && s >= 0) {
+      auto takeable = [&](int32_t t) {
+        return t < capacity_ && uncached_.test(t) &&
+               (pass == 1 || !reserved_.test(t) || owner_of_[t] == owner);
+      };
+      if (!takeable(s)) {
+        s = uncached_.find_next(s + 1);
+        continue;
+      }
+      int32_t len = 1;
+      while (k + len < n && takeable(s + len)) ++len;
+      unlink_uncached_run(s, len, out + k);
+      k += len;
+      s = uncached_.find_next(s + len);
     }
   }
   // 5. The LRU segment, from its front (now the list's front), as vLLM.

@@ -124,6 +124,8 @@ def pool_get_new_blocks(
     hint: int = -1,
     owner: int = 0,
     want: int = 0,
+    table_counters: list[int] | None = None,
+    prev_last: int = -1,
 ) -> list[KVCacheBlock]: ...
 def count_table_pairs(prev_last: int | None, blocks: list[KVCacheBlock], counters: list[int]) -> None: ...
 def pool_free_blocks(

@@ -219,21 +219,24 @@ class BlockPool(VllmBlockPool):
                     blocks = VllmBlockPool.get_new_blocks(self, num_blocks)
                 finally:
                     self.free_block_queue.set_allocation_plan(-1, 0, 0)
+                count_table_pairs(last, blocks, self._table_counters)
             else:
-                blocks = self._native_get_new_blocks(num_blocks, hint, owner, want)
-        else:
-            self._table_context = None  # the plain path (not a subclass's override again)
-            try:
-                blocks = BlockPool.get_new_blocks(self, num_blocks)
-            finally:
-                self._table_context = (manager, request_id)
-        count_table_pairs(last, blocks, self._table_counters)
-        if self.allocation == "contiguous":
+                blocks = self._native_get_new_blocks(num_blocks, hint, owner, want, table_last=last)
             self._absorb_unhashed()
+        elif self._needs_vllm_loop():
+            blocks = VllmBlockPool.get_new_blocks(self, num_blocks)
+            count_table_pairs(last, blocks, self._table_counters)
+        else:
+            blocks = self._native_get_new_blocks(num_blocks, table_last=last)
         return blocks
 
-    def _native_get_new_blocks(self, num_blocks: int, hint: int = -1, owner: int = 0, want: int = 0) -> list:
-        # The native loop (alloc.pxi); hint/owner/want: the contiguous policy's table.
+    def _native_get_new_blocks(
+        self, num_blocks: int, hint: int = -1, owner: int = 0, want: int = 0, table_last: int | None = -1
+    ) -> list:
+        # The native loop (alloc.pxi). hint/owner/want: the contiguous policy's table;
+        # table_last: the extended table's last block id (None: a new table), whose
+        # pairs with the new blocks are counted; -1: no table, nothing counted.
+        counting = table_last is None or table_last >= 0
         return pool_get_new_blocks(
             self.free_block_queue,
             num_blocks,
@@ -243,6 +246,8 @@ class BlockPool(VllmBlockPool):
             hint,
             owner,
             want,
+            self._table_counters if counting else None,
+            -1 if table_last is None else table_last,
         )
 
     def _needs_vllm_loop(self) -> bool:

@@ -6,13 +6,15 @@
 def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
                         bint enable_caching, dict cached_block_hashes_by_block,
                         object evict_cached_block, int32_t hint=-1, int32_t owner=0,
-                        int32_t want=0):
+                        int32_t want=0, object table_counters=None, long prev_last=-1):
     """``BlockPool.get_new_blocks`` without per-block Python calls.
 
     Pops ``num_blocks`` from the front of the free queue (with the contiguous
     allocation policy: the blocks ``FreeBlockList::take`` chooses for the table of
     ``owner`` that continues at block ``hint``, expecting ``want`` more blocks;
-    docs/design.md, "Allocation policies"); for a block that still has
+    docs/design.md, "Allocation policies"). With ``table_counters`` (a pool's queue),
+    the returned blocks' adjacent pairs are added to it as ``count_table_pairs`` does,
+    ``prev_last`` (-1: none) being the table's last block id before. For a block that still has
     a prefix-cache hash (or extra hashes in ``cached_block_hashes_by_block``) calls
     ``evict_cached_block(block)``; checks ``ref_cnt == 0`` (after the callback, as
     vLLM's ``assert`` does) and sets it to 1. One pass over the blocks.
@@ -173,4 +175,6 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
         kvpool_list_items(<PyObject*>ret)[j] = taken[j]  # the list takes the reference
     _fold_0_to_1(&rb, n01)
     _flush(&rb)
+    if table_counters is not None:
+        _count_slot_pairs(popped.data(), n, prev_last, table_counters)
     return ret

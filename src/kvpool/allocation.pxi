@@ -16,6 +16,7 @@ def count_table_pairs(object prev_last, list blocks, object counters):
     cdef bint have_prev = prev_last is not None
     cdef PyObject* o
     cdef PyObject* p
+    cdef object q
     if type(counters) is not list or len(counters) != 4:
         raise TypeError("counters must be a list of 4 ints")
     if have_prev:
@@ -24,9 +25,13 @@ def count_table_pairs(object prev_last, list blocks, object counters):
         o = PyList_GET_ITEM(blocks, i)
         if <void*>Py_TYPE(<object>o) != <void*>KVCacheBlock:
             raise TypeError(f"expected a kvpool KVCacheBlock, got {_type_name(o)}")
-        p = (<KVCacheBlock>o)._block_id_o
-        if p is NULL or not kvpool_is_int(p) or not kvpool_long_read(p, &cur):
-            raise TypeError("block_id must be an int")
+        q = (<KVCacheBlock>o)._queue
+        if q is not None and (<FreeKVCacheBlockQueue>q)._lazy and (<KVCacheBlock>o)._slot >= 0:
+            cur = (<KVCacheBlock>o)._slot  # a pool's block: its slot is its block_id
+        else:
+            p = (<KVCacheBlock>o)._block_id_o
+            if p is NULL or not kvpool_is_int(p) or not kvpool_long_read(p, &cur):
+                raise TypeError("block_id must be an int")
         if have_prev:
             pairs += 1
             if cur == prev + 1:
@@ -39,3 +44,26 @@ def count_table_pairs(object prev_last, list blocks, object counters):
     counters[1] += pairs
     counters[2] += asc
     counters[3] += desc
+
+
+cdef int _count_slot_pairs(const int32_t* slots, Py_ssize_t n, long prev, object counters) except -1:
+    # count_table_pairs over a pool's slots (slot == block_id), without visiting the
+    # block objects: what pool_get_new_blocks does with the slots it took.
+    cdef Py_ssize_t i
+    cdef long pairs = 0, asc = 0, desc = 0, cur
+    for i in range(n):
+        cur = slots[i]
+        if prev >= 0:
+            pairs += 1
+            if cur == prev + 1:
+                asc += 1
+            elif cur == prev - 1:
+                desc += 1
+        prev = cur
+    if type(counters) is not list or len(counters) != 4:
+        raise TypeError("counters must be a list of 4 ints")
+    counters[0] += n
+    counters[1] += pairs
+    counters[2] += asc
+    counters[3] += desc
+    return 0
