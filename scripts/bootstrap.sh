@@ -3,6 +3,14 @@
 # packages vllm.v1.core and the scheduler import on a CPU machine, then build kvpool
 # into it. Idempotent: a second run only rebuilds kvpool.
 #
+# Another vLLM release of the matrix (kvpool.vllm_compat.SUPPORTED_VLLM_VERSIONS) goes
+# into its own environment beside .venv; `python -m kvpool conformance --vllm-version X`
+# runs this for it:
+#   KVPOOL_VLLM_VERSION=0.31.0 KVPOOL_VENV=.venv-vllm-0.31.0 bash scripts/bootstrap.sh
+# KVPOOL_WHEEL=wheelhouse/kvpool-....whl installs that wheel (--no-index) instead of the
+# editable build; PYTHON picks the interpreter of a new environment.
+# requirements/vllm-X.txt holds that release's own pins (constraints on the lists below).
+#
 # Why --no-deps for vLLM: the wheel's full dependency set pulls a CUDA torch and
 # several GB of GPU libraries. The block pool and scheduler need only the small set
 # below (see docs/development.md). On a GPU host, install kvpool into the vLLM that
@@ -14,11 +22,17 @@ cd "$here"
 PY="${PYTHON:-python3}"
 VLLM_VERSION="${KVPOOL_VLLM_VERSION:-0.33.0}"
 TORCH_VERSION="${KVPOOL_TORCH_VERSION:-2.13.0}"
-
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+VENV="${KVPOOL_VENV:-.venv}"
+PINS="requirements/vllm-$VLLM_VERSION.txt"
+if [ ! -f "$PINS" ]; then
+  echo "bootstrap: no $PINS: vLLM $VLLM_VERSION is not in kvpool's matrix" >&2
+  exit 2
 fi
-VPY="$here/.venv/bin/python"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+VPY="$(cd "$VENV" && pwd)/bin/python"
 # pip, without the resolver's complaint that vLLM's CUDA-only requirements are
 # missing (they are left out on purpose, see above) and find-links noise.
 pip() {
@@ -28,22 +42,30 @@ pip() {
 }
 
 # Re-run the dependency step when the requirement lists change, not only on a new venv.
-req_hash="$(cat requirements/*.txt | sha1sum | cut -c1-12)"
-stamp=".venv/.kvpool-deps-$VLLM_VERSION-$req_hash"
+req_hash="$(cat requirements/dev.txt requirements/vllm-cpu-runtime.txt "$PINS" | sha1sum | cut -c1-12)"
+stamp="$VENV/.kvpool-deps-$VLLM_VERSION-$req_hash"
 if [ ! -f "$stamp" ]; then
   pip install -q --upgrade pip
   # torch: on the CI-class machine this resolves to the CPU wheel that lies on disk.
   pip install -q "torch==$TORCH_VERSION"
   pip install -q --no-deps "vllm==$VLLM_VERSION"
-  pip install -q -r requirements/vllm-cpu-runtime.txt
+  pip install -q -r requirements/vllm-cpu-runtime.txt -c "$PINS"
   # xgrammar depends on triton (about 1 GB); the scheduler only imports xgrammar.
-  pip install -q --no-deps "xgrammar==0.2.8"
-  pip install -q -r requirements/dev.txt
+  pip install -q --no-deps "$(grep -E '^xgrammar==' "$PINS")"
+  pip install -q -r requirements/dev.txt -c "$PINS"
   touch "$stamp"
 fi
 
-# kvpool itself: build isolation off so the already installed Cython/scikit-build-core
-# are used and a rebuild takes seconds.
-pip install -q "scikit-build-core>=0.10" "cython>=3.0" ninja cmake
-pip install -q --no-build-isolation --no-deps -e .
-"$VPY" -c 'import kvpool, kvpool._core, vllm; print("bootstrap: .venv ready: vLLM", vllm.__version__, "kvpool", kvpool.__version__)'
+if [ -n "${KVPOOL_WHEEL:-}" ]; then
+  # A built wheel (scripts/build-wheel.sh), as a user installs it: no compiler, no index.
+  pip install -q --no-index --no-deps --force-reinstall "$KVPOOL_WHEEL"
+else
+  # kvpool itself: build isolation off so the already installed Cython/scikit-build-core
+  # are used and a rebuild takes seconds.
+  pip install -q "scikit-build-core>=0.10" "cython>=3.0" ninja cmake
+  # Each environment builds in its own folder, so environments can be rebuilt side by side.
+  build_dir="build/{wheel_tag}"
+  [ "$VENV" = ".venv" ] || build_dir="build/$(basename "$VENV")/{wheel_tag}"
+  pip install -q --no-build-isolation --no-deps --config-settings=build-dir="$build_dir" -e .
+fi
+"$VPY" -c 'import kvpool, kvpool._core, vllm; print("bootstrap: '"$VENV"' ready: vLLM", vllm.__version__, "kvpool", kvpool.__version__)'

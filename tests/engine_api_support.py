@@ -189,7 +189,8 @@ class ScriptedWorker:
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return ["LBNHC"]
 
-    def set_kv_cache_layout(self, layout_name: str, cp_kv_cache_interleave_size: int) -> None:
+    def set_kv_cache_layout(self, layout_name: str, cp_kv_cache_interleave_size: int = 1) -> None:
+        # (vLLM 0.30.0 sends the layout name only.)
         pass
 
     def determine_available_memory(self) -> int:

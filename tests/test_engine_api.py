@@ -810,18 +810,26 @@ def test_async_clients_report_true_only_if_every_engine_reordered(cls_name):
     sent = []
     client = object.__new__(cls)
     results = {}
+    engines = [b"engine-0", b"engine-1"]
+
+    # One utility call per engine, as vLLM's clients send them; call_utility_all_async
+    # (vLLM >= 0.32.0) is the same fan-out, which kvpool does itself before 0.32.0.
+    async def _call_utility_async(method, *args, engine):
+        sent.append((engine, method, *args))
+        return results[method][engines.index(engine)]
 
     async def call_utility_all_async(method, *args):
-        sent.append((method, *args))
-        return results[method]
+        return [await _call_utility_async(method, *args, engine=e) for e in engines]
 
+    client.core_engines = engines
+    client._call_utility_async = _call_utility_async
     client.call_utility_all_async = call_utility_all_async
     results.update({REORDER: [True, False], "reset_prefix_cache": [True, True]})
     assert asyncio.run(client.reset_free_block_queue_order_async()) is False
     results[REORDER] = [True, True]
     assert asyncio.run(client.reset_free_block_queue_order_async()) is True
     assert asyncio.run(client.reset_prefix_cache_async(reorder_free_queue=True)) is True
-    assert sent[-1] == ("reset_prefix_cache", False, False, True)
+    assert sorted(sent[-2:]) == [(e, "reset_prefix_cache", False, False, True) for e in engines]
 
 
 # -- install / uninstall -----------------------------------------------------------------

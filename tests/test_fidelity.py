@@ -13,8 +13,7 @@ import logging
 import re
 
 import pytest
-from vllm.config.logging import LoggingConfig
-from vllm.logger import configure_logging
+import vllm.logger
 from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
 
 import kvpool
@@ -22,13 +21,23 @@ from kvpool import BlockStateError, FreeKVCacheBlockQueue, KVCacheBlock
 from kvpool.block_pool import BlockPool
 
 
+def _configure_vllm_logging_at_info(monkeypatch) -> None:
+    try:
+        from vllm.config.logging import LoggingConfig
+    except ImportError:  # vLLM 0.30.0: configured from VLLM_LOGGING_LEVEL only
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+        vllm.logger._configure_vllm_root_logger()
+        return
+    vllm.logger.configure_logging(LoggingConfig(log_level="INFO", configure_logging=True))
+
+
 @pytest.fixture
-def vllm_log():
+def vllm_log(monkeypatch):
     """vLLM's logging configured as its engine core configures it (level INFO), with
     the "vllm" handler's stream captured; the previous configuration is restored."""
     vllm_logger = logging.getLogger("vllm")
     saved = (vllm_logger.handlers[:], vllm_logger.level, vllm_logger.propagate)
-    configure_logging(LoggingConfig(log_level="INFO", configure_logging=True))
+    _configure_vllm_logging_at_info(monkeypatch)
     (handler,) = vllm_logger.handlers
     stream = io.StringIO()
     handler.setStream(stream)

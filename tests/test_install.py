@@ -82,13 +82,51 @@ def test_scheduler_built_after_install_uses_kvpool(installed):
     assert pool.get_num_free_blocks() == 99 - 3
 
 
-def test_unsupported_vllm_version_is_refused(monkeypatch):
-    monkeypatch.setattr(vllm_compat, "installed_vllm_version", lambda: "0.31.0")
-    with pytest.raises(vllm_compat.UnsupportedVLLMVersionError, match=r"supports vLLM 0\.33\.0"):
+SUPPORTED_NAMED = ", ".join(vllm_compat.SUPPORTED_VLLM_VERSIONS)
+
+
+@pytest.mark.parametrize("version", ["0.29.0", "0.34.0"])
+def test_unsupported_vllm_version_is_refused_naming_the_supported_ones(monkeypatch, version):
+    monkeypatch.setattr(vllm_compat, "installed_vllm_version", lambda: version)
+    with pytest.raises(vllm_compat.UnsupportedVLLMVersionError) as excinfo:
         kvpool.install()
+    assert f"supports vLLM {SUPPORTED_NAMED}; found vLLM {version}" in str(excinfo.value)
     assert not kvpool.is_installed()
+    info = vllm_compat.describe()
+    assert f"vLLM installed: {version} (NOT supported)" in info
+    assert f"supported vLLM: {SUPPORTED_NAMED}" in info
     monkeypatch.setenv(vllm_compat.ALLOW_UNTESTED_ENV, "1")
     assert kvpool.install() is True
+
+
+def test_every_supported_version_is_a_release_of_the_matrix():
+    assert set(vllm_compat.SUPPORTED_VLLM_VERSIONS) <= set(vllm_compat.VLLM_RELEASES)
+    assert vllm_compat.release_traits("0.34.0") is vllm_compat.VLLM_RELEASES["0.33.0"]
+    assert vllm_compat.release_traits("0.29.0") is vllm_compat.VLLM_RELEASES["0.30.0"]
+    assert vllm_compat.release_traits("0.31.0+cpu") is vllm_compat.VLLM_RELEASES["0.31.0"]
+
+
+def test_plugin_on_an_unsupported_vllm_warns_once_and_changes_nothing():
+    proc = _run(
+        """
+        import logging
+        from kvpool import vllm_compat
+        vllm_compat.installed_vllm_version = lambda: "0.29.0"
+        from vllm.logger import _configure_vllm_root_logger
+        _configure_vllm_root_logger()
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        import kvpool
+        from vllm.v1.core import block_pool
+        print("INSTALLED", kvpool.is_installed(), block_pool.BlockPool.__module__)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "INSTALLED False vllm.v1.core.block_pool" in proc.stdout
+    out = proc.stdout + proc.stderr
+    warnings = [line for line in out.splitlines() if "kvpool: not activated" in line]
+    assert len(warnings) == 1, out
+    assert f"supports vLLM {SUPPORTED_NAMED}; found vLLM 0.29.0" in warnings[0]
 
 
 def test_failed_patch_leaves_vllm_untouched(monkeypatch):
@@ -142,7 +180,7 @@ def test_vllm_plugin_loader_activates_kvpool_in_a_fresh_process():
     assert proc.returncode == 0, proc.stderr
     assert "INSTALLED True kvpool.block_pool" in proc.stdout
     assert "kvpool 0.1.0 active" in proc.stdout + proc.stderr
-    assert "vLLM 0.33.0" in proc.stdout + proc.stderr
+    assert f"vLLM {vllm_compat.installed_vllm_version()}" in proc.stdout + proc.stderr
 
 
 def test_kvpool_disable_turns_the_plugin_off():

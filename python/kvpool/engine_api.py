@@ -51,6 +51,10 @@ from typing import Any
 
 logger = logging.getLogger("vllm.kvpool")
 
+#: Set by :func:`apply` from ``kvpool.vllm_compat``: the installed vLLM has
+#: ``AsyncMPClient.call_utility_all_async`` (>= 0.32.0).
+_ALL_ENGINE_UTILITY_CALL = True
+
 #: The dev-mode route added beside vLLM's ``POST /reset_prefix_cache``.
 REORDER_ROUTE = "/reset_free_block_queue_order"
 RESET_ROUTE = "/reset_prefix_cache"
@@ -399,6 +403,23 @@ def _sync_mp_reset_prefix_cache(vllm_reset: Callable) -> Callable:
     return reset_prefix_cache
 
 
+async def _call_every_engine(client: Any, method: str, *args: Any) -> list[Any]:
+    """One utility call per engine-core process ``client`` manages, one result each.
+
+    vLLM >= 0.32.0 has this as ``AsyncMPClient.call_utility_all_async``; before, its
+    ``reset_prefix_cache_async`` reached one engine (``call_utility_async``), so kvpool
+    fans out over ``client.core_engines`` itself, as ``call_utility_all_async`` does
+    (``kvpool.vllm_compat.VllmRelease.all_engine_utility_call``).
+    """
+    if _ALL_ENGINE_UTILITY_CALL:
+        return await client.call_utility_all_async(method, *args)
+    import asyncio
+
+    return list(
+        await asyncio.gather(*[client._call_utility_async(method, *args, engine=e) for e in client.core_engines])
+    )
+
+
 async def _async_mp_reset_free_block_queue_order_async(self) -> bool:
     """Restore the canonical free-block-queue order in every engine-core process
     this client manages (``call_utility_all_async``, as ``reset_prefix_cache_async``).
@@ -409,7 +430,7 @@ async def _async_mp_reset_free_block_queue_order_async(self) -> bool:
     Returns:
         True if every pool of every engine was reordered.
     """
-    return all(await self.call_utility_all_async("reset_free_block_queue_order"))
+    return all(await _call_every_engine(self, "reset_free_block_queue_order"))
 
 
 def _async_mp_reset_prefix_cache_async(vllm_reset: Callable) -> Callable:
@@ -425,7 +446,7 @@ def _async_mp_reset_prefix_cache_async(vllm_reset: Callable) -> Callable:
         if not reorder_free_queue:
             return await vllm_reset(self, reset_running_requests, reset_connector)
         return all(
-            await self.call_utility_all_async("reset_prefix_cache", reset_running_requests, reset_connector, True)
+            await _call_every_engine(self, "reset_prefix_cache", reset_running_requests, reset_connector, True)
         )
 
     return reset_prefix_cache_async
@@ -665,6 +686,10 @@ def apply(patcher: Any) -> None:
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    from kvpool.vllm_compat import release_traits
+
+    global _ALL_ENGINE_UTILITY_CALL
+    _ALL_ENGINE_UTILITY_CALL = release_traits().all_engine_utility_call
     reorder = "reset_free_block_queue_order"
     reset = "reset_prefix_cache"
 

@@ -45,6 +45,7 @@ grew; the two counters give the exact ratio over any PromQL window.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 import time
@@ -177,7 +178,9 @@ def _add_stats_field(patcher, cls) -> None:
     if STATS_FIELD in cls.__dataclass_fields__:
         return
     patcher.set_attr(cls, "__dataclass_fields__", {**cls.__dataclass_fields__, STATS_FIELD: _stats_field()})
-    patcher.set_attr(cls, "__annotations__", {**cls.__dict__.get("__annotations__", {}),
+    # inspect.get_annotations: on CPython 3.14 a class's __annotations__ is built lazily
+    # (PEP 649), so its __dict__ holds none until something reads them.
+    patcher.set_attr(cls, "__annotations__", {**inspect.get_annotations(cls),
                                               STATS_FIELD: dict[str, float] | None})
     patcher.set_attr(cls, STATS_FIELD, None)  # instances built by vLLM's __init__
     # msgspec caches a dataclass's layout on the class: drop it so the next decoder

@@ -1,18 +1,73 @@
 """Everything kvpool knows about particular vLLM versions, in one place.
 
-Supporting a new vLLM version is one diff here (plus ``kvpool.block_pool`` if vLLM
-changed ``BlockPool.__init__``): add it to :data:`SUPPORTED_VLLM_VERSIONS` once
-``python -m kvpool conformance`` reports zero regressions on it.
+Supporting a new vLLM version is one diff here: a row in :data:`VLLM_RELEASES` (what
+differs from its neighbours, read from the release itself), a pin file
+``requirements/vllm-X.txt`` for its environment, and, once
+``python -m kvpool conformance --vllm-version X`` reports zero regressions, the
+version in :data:`SUPPORTED_VLLM_VERSIONS`.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from importlib import metadata
 
-#: vLLM versions whose own test suite passes with kvpool installed
-#: (``python -m kvpool conformance``, docs/conformance.md).
-SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.33.0",)
+
+@dataclass(frozen=True)
+class VllmRelease:
+    """What one vLLM release does differently where kvpool binds in.
+
+    Everything not named here is the same in every release of the table (read from
+    the released wheels side by side: ``KVCacheBlock``, the ``FreeKVCacheBlockQueue``
+    API, ``BlockHashToBlockMap``, ``get_new_blocks``, ``unpin_blocks``,
+    ``evict_blocks``, ``reset_prefix_cache``, the coordinator's ``free`` /
+    ``pop_blocks_for_free``, the scheduler's deferred-free fields and helpers, and the
+    per-group deferred-order bug kvpool fixes).
+
+    Attributes:
+        version: the release, ``"0.33.0"``.
+        hash_lookahead: ``BlockPool.__init__`` takes ``num_hash_lookahead_tokens``
+            (before ``medium``) and KV events carry look-ahead tokens. kvpool's pool
+            accepts the argument on every release and stores it; releases without it
+            never pass it.
+        null_block_ref_counted: ``BlockPool.touch`` / ``free_blocks`` add to / take
+            from the null block's ``ref_cnt`` and only skip its free-queue operation
+            (<= 0.32.0); from 0.33.0 they skip the null block entirely and
+            ``pop_blocks_for_free`` trims leading null blocks (``trim_null_head``).
+        all_engine_utility_call: ``AsyncMPClient.call_utility_all_async`` exists and
+            ``reset_prefix_cache_async`` resets every data-parallel engine (>= 0.32.0).
+            Before, vLLM's reset reaches one engine (all with the load-balancing
+            client); kvpool's reorder then sends its call to every engine itself.
+        reset_caches_raises: ``EngineCore._reset_caches`` (pause with
+            ``clear_cache=True``) raises when the prefix-cache reset fails (>= 0.31.0);
+            0.30.0 ignores the failure, with and without kvpool.
+        deferred_loads: ``Scheduler.deferred_loads`` shares the deferred-free fences
+            (0.33.0); kvpool's fenced queue leaves it to vLLM.
+    """
+
+    version: str
+    hash_lookahead: bool
+    null_block_ref_counted: bool
+    all_engine_utility_call: bool
+    reset_caches_raises: bool
+    deferred_loads: bool
+
+
+#: The releases kvpool knows, oldest first: its test matrix.
+VLLM_RELEASES: dict[str, VllmRelease] = {
+    r.version: r
+    for r in (
+        VllmRelease("0.30.0", False, True, False, False, False),
+        VllmRelease("0.31.0", False, True, False, True, False),
+        VllmRelease("0.32.0", False, True, True, True, False),
+        VllmRelease("0.33.0", True, False, True, True, True),
+    )
+}
+
+#: vLLM versions whose own test suite passes with kvpool installed, zero regressions
+#: (``python -m kvpool conformance --vllm-version X``, docs/conformance.md).
+SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
 
 #: Set to 1 to let ``install()`` patch a vLLM version that is not in the list above.
 ALLOW_UNTESTED_ENV = "KVPOOL_ALLOW_UNTESTED_VLLM"
@@ -50,6 +105,24 @@ def _release(version: str) -> str:
     core = version.split("+", 1)[0]
     parts = core.split(".")
     return ".".join(p for p in parts[:3])
+
+
+def release_traits(version: str | None = None) -> VllmRelease:
+    """The :class:`VllmRelease` row of ``version`` (default: the installed vLLM).
+
+    A version outside the table (only reachable with ``install(force=True)`` or
+    ``KVPOOL_ALLOW_UNTESTED_VLLM=1``) gets the row of the nearest release below it, or
+    the oldest row if it is older than all of them.
+    """
+    version = _release(version or installed_vllm_version() or max(VLLM_RELEASES, key=_key))
+    if version in VLLM_RELEASES:
+        return VLLM_RELEASES[version]
+    older = [v for v in VLLM_RELEASES if _key(v) <= _key(version)]
+    return VLLM_RELEASES[max(older, key=_key) if older else min(VLLM_RELEASES, key=_key)]
+
+
+def _key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) if p.isdigit() else 0 for p in version.split("."))
 
 
 def is_supported(version: str | None) -> bool:

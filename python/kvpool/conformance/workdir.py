@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvpool.hf_offline import OFFLINE_FLAGS, materialize_hf_cache, offline_env
+from kvpool.vllm_compat import ALLOW_UNTESTED_ENV
 
 #: Marker in every file the runner writes into the test tree.
 WRITTEN_BY = "written by kvpool's conformance runner (kvpool/conformance/workdir.py)"
@@ -85,7 +86,8 @@ def run_environment(base: dict[str, str], hf_home: Path, mode: str) -> dict[str,
 
     CPU platform, offline Hugging Face cache; in the vanilla run ``KVPOOL_DISABLE=1`` so
     kvpool's ``vllm.general_plugins`` entry point leaves vLLM's classes alone in any
-    process vLLM starts; in the kvpool run the variable is removed.
+    process vLLM starts; in the kvpool run the variable is removed and
+    ``KVPOOL_ALLOW_UNTESTED_VLLM=1`` is set (the run that validates a release).
     """
     env = {k: v for k, v in base.items() if k not in OFFLINE_FLAGS}
     env.update(offline_env(hf_home))
@@ -97,4 +99,7 @@ def run_environment(base: dict[str, str], hf_home: Path, mode: str) -> dict[str,
         env["KVPOOL_DISABLE"] = "1"
     else:
         env.pop("KVPOOL_DISABLE", None)
+        # This run is what validates a release for SUPPORTED_VLLM_VERSIONS, so kvpool
+        # installs on a release of the matrix that is not (yet) listed there.
+        env[ALLOW_UNTESTED_ENV] = "1"
     return env

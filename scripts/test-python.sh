@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# kvpool's suite on one CPython, from scratch, against kvpool installed from its wheel
+# (scripts/build-wheel.sh; not editable, --no-index) next to vLLM 0.33.0:
+#
+#   bash scripts/test-python.sh 3.11        # the host's python3.11
+#   bash scripts/test-python.sh 3.13        # python3.13 if the host has one, else Debian 13's
+#   bash scripts/test-python.sh 3.14        # Debian sid's 3.14 (a chroot, see below)
+#   bash scripts/test-python.sh 3.13 -k hot_paths        # further arguments go to pytest
+#
+# An interpreter the host lacks comes from Debian: `debootstrap` builds a minimal chroot
+# of the release that ships it (CHROOT_SUITES below; about 5 minutes and 0.5 GB, kept in
+# $KVPOOL_CHROOT_DIR for the next run), the checkout is bind-mounted into it at the same
+# path, and this script runs again inside. KVPOOL_PY_ROUTE=chroot takes that route even
+# when the host has the interpreter. torch for an interpreter other than the host's
+# 3.11 is PyPI's CUDA build (about 6 GB with its CUDA libraries; it runs on the CPU).
+# The environment lives in .venv-py<version> (the chroot's /opt/kvpool-venv).
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$here"
+ver="${1:?usage: scripts/test-python.sh 3.11|3.13|3.14 [pytest args]}"
+shift
+py="python$ver"
+declare -A CHROOT_SUITES=([3.11]=bookworm [3.13]=trixie [3.14]=sid)
+
+# (Runs it, rather than `command -v`: a pyenv shim exists for versions it cannot run.)
+if [ -z "${KVPOOL_IN_CHROOT:-}" ] && { [ "${KVPOOL_PY_ROUTE:-}" = chroot ] || ! "$py" -c pass 2>/dev/null; }; then
+  suite="${CHROOT_SUITES[$ver]:?no Debian release with CPython $ver known}"
+  root="${KVPOOL_CHROOT_DIR:-/var/tmp/kvpool-chroots}/py$ver"
+  if [ ! -x "$root/usr/bin/$py" ]; then
+    command -v debootstrap >/dev/null || { apt-get update -qq; apt-get install -y -qq debootstrap >/dev/null; }
+    rm -rf "$root"
+    debootstrap --variant=minbase --include="$py,$py-venv,$py-dev,g++,make,ca-certificates" \
+      "$suite" "$root" http://deb.debian.org/debian
+  fi
+  # Behind a TLS-intercepting proxy only the host's CA bundle verifies PyPI.
+  cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
+  cp /etc/resolv.conf "$root/etc/resolv.conf"
+  mkdir -p "$root$here" "$root/proc" "$root/dev"
+  mount --bind "$here" "$root$here"
+  mount -t proc proc "$root/proc"
+  mount --bind /dev "$root/dev"
+  trap 'umount "$root/dev" "$root/proc" "$root$here"' EXIT
+  chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 \
+    KVPOOL_IN_CHROOT=1 KVPOOL_PY_VENV=/opt/kvpool-venv PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    KVPOOL_BUILD_SUFFIX="-$suite" bash "$here/scripts/test-python.sh" "$ver" "$@"
+  exit
+fi
+
+venv="${KVPOOL_PY_VENV:-$here/.venv-py$ver}"
+tag="cp${ver/./}"
+bash scripts/build-wheel.sh "$py"
+wheel="$(ls -t wheelhouse/kvpool-*-"$tag"-"$tag"-manylinux*.whl | head -1)"
+KVPOOL_VENV="$venv" PYTHON="$py" KVPOOL_WHEEL="$wheel" bash scripts/bootstrap.sh
+export VLLM_TARGET_DEVICE=cpu
+# Outside the checkout's python/: the suite imports the installed wheel.
+"$venv/bin/python" -c 'import kvpool, sys; assert "site-packages" in kvpool.__file__, kvpool.__file__; print("kvpool from", kvpool.__file__, "on", sys.version.split()[0])'
+"$venv/bin/python" -m pytest tests -q -p no:cacheprovider "$@"
