@@ -27,6 +27,11 @@ ratios=0
 echo "== conformance: vLLM's own tests, vanilla vs kvpool"
 "$py" -m kvpool conformance --json .ci-out/conformance.json
 
+# The oldest supported release too, in its own environment beside .venv (the whole
+# matrix: `python -m kvpool conformance --all`, about 15 minutes more).
+echo "== conformance: vLLM 0.30.0's own tests, vanilla vs kvpool"
+"$py" -m kvpool conformance --vllm-version 0.30.0 --json .ci-out/conformance-0.30.0.json
+
 echo "== debug interpreter (Py_DEBUG): suite subset + reference-count leak check"
 bash scripts/test-debug-python.sh --short
 
