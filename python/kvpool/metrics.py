@@ -178,8 +178,8 @@ def _add_stats_field(patcher, cls) -> None:
     if STATS_FIELD in cls.__dataclass_fields__:
         return
     patcher.set_attr(cls, "__dataclass_fields__", {**cls.__dataclass_fields__, STATS_FIELD: _stats_field()})
-    # inspect.get_annotations: on CPython 3.14 a class's __annotations__ is built lazily
-    # (PEP 649), so its __dict__ holds none until something reads them.
+    # inspect.get_annotations: on CPython 3.14 (PEP 649) a class's annotations are not
+    # in its __dict__ until something reads them (the Patcher restores them by value).
     patcher.set_attr(cls, "__annotations__", {**inspect.get_annotations(cls),
                                               STATS_FIELD: dict[str, float] | None})
     patcher.set_attr(cls, STATS_FIELD, None)  # instances built by vLLM's __init__

@@ -22,6 +22,7 @@ changes through the :class:`Patcher`, so every change is recorded and undone by
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import sys
 import threading
@@ -72,7 +73,14 @@ class Patcher:
 
     def set_attr(self, owner: Any, name: str, value: Any) -> None:
         """``setattr(owner, name, value)``, remembering the previous value."""
-        old = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
+        if name == "__annotations__" and isinstance(owner, type):
+            # A class's annotations may live outside its __dict__ (CPython 3.14, PEP
+            # 649), and deleting them drops them for good: remember them by value.
+            old = dict(inspect.get_annotations(owner))
+        elif hasattr(owner, "__dict__"):
+            old = owner.__dict__.get(name, _MISSING)
+        else:
+            old = getattr(owner, name, _MISSING)
         self._state.attrs.append((owner, name, old))
         setattr(owner, name, value)
 
