@@ -207,7 +207,12 @@ class PoolWorkload:
             got = self._agree([[b.block_id for b in s.pool.get_new_blocks(size)] for s in self.sides],
                               "get_new_blocks ids")
             groups.append(got)
-        # Cache a prefix of each group under hashes (group id in the key, as vLLM does).
+        self._cache_prefixes(groups)
+        self.requests.append(groups)
+
+    def _cache_prefixes(self, groups: list[list[int]]) -> None:
+        """Cache a random prefix of each group under hashes (group id in the key, as
+        vLLM does), on every side."""
         for g, ids in enumerate(groups):
             if ids and self.rng.random() < 0.6:
                 k = self.rng.randint(1, len(ids))
@@ -216,7 +221,6 @@ class PoolWorkload:
                 for s in self.sides:
                     for i, (key, block) in enumerate(zip(keys, self._blocks(s, ids[:k]))):
                         s.pool._insert_block_hash(key, block, num_tokens=16 * (i + 1))
-        self.requests.append(groups)
 
     def _pop_request(self):
         if not self.requests:

@@ -197,16 +197,7 @@ class PolicyWorkload(PoolWorkload):
                 self.next_key += 1
             keys.append(key)
             groups.append(self._alloc_ids(size, key))
-        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
-
-        for g, ids in enumerate(groups):
-            if ids and self.rng.random() < 0.6:
-                k = self.rng.randint(1, len(ids))
-                hashes = [make_block_hash_with_group_id(
-                    self.rng.randrange(self.hash_space).to_bytes(4, "little"), g) for _ in range(k)]
-                for s in self.sides:
-                    for i, (key, block) in enumerate(zip(hashes, self._blocks(s, ids[:k]))):
-                        s.pool._insert_block_hash(key, block, num_tokens=16 * (i + 1))
+        self._cache_prefixes(groups)
         self.requests.append(groups)
         self.table_keys[id(groups)] = keys
 
