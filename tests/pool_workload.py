@@ -178,6 +178,10 @@ class PoolWorkload:
         blocks = side.pool.blocks
         return [blocks[i] for i in ids]
 
+    def _ids_of(self, side, blocks) -> list:
+        """``blocks``' ids in the reference side's id space (here: their block ids)."""
+        return [b.block_id for b in blocks]
+
     def _agree(self, values, what: str):
         if len(values) > 1 and any(v != values[0] for v in values[1:]):
             raise AssertionError(
@@ -265,7 +269,7 @@ class PoolWorkload:
         keys = self.rng.sample(cached, min(len(cached), self.rng.randint(1, 6)))
         ids = []
         for key in sorted(keys):  # (set order of the sample is not part of the stream)
-            got = self._agree([[b.block_id for b in s.pool.get_cached_block(key[:-4], [key_group(key)]) or []]
+            got = self._agree([self._ids_of(s, s.pool.get_cached_block(key[:-4], [key_group(key)]) or [])
                                for s in self.sides], "get_cached_block")
             ids.extend(got)
         for s in self.sides:

@@ -32,7 +32,7 @@ from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
 
 from kvpool import allocation
 from kvpool.block_pool import BlockPool
-from pool_workload import KvpoolSide, PoolWorkload, VllmSide, key_group
+from pool_workload import KvpoolSide, PoolWorkload, VllmSide
 
 NUM_OPS = int(os.environ.get("KVPOOL_POLICY_DIFF_OPS", "20000"))
 SEED = int(os.environ.get("KVPOOL_DIFF_SEED", "20261130"))
@@ -136,6 +136,11 @@ class PolicyWorkload(PoolWorkload):
             return [side.pool.blocks[side.to_kvpool[i]] for i in ids]
         return super()._blocks(side, ids)
 
+    def _ids_of(self, side, blocks) -> list:
+        if side is self.ours:
+            return [side.to_vllm.get(b.block_id) for b in blocks]
+        return super()._ids_of(side, blocks)
+
     def _pair(self, vllm_blocks, our_blocks, uncached_before: int) -> list[int]:
         """Map the blocks both pools handed out; those beyond the uncached ones came from
         the LRU segment and must be the same (mapped) blocks on both sides."""
@@ -223,22 +228,6 @@ class PolicyWorkload(PoolWorkload):
                     if key is not None:
                         self.ours.end_table(key)
         return groups
-
-    def op_touch(self) -> None:
-        ref = self.vllm_side.pool
-        cached = list(ref.cached_block_hash_to_block._cache)
-        if not cached:
-            return
-        keys = self.rng.sample(cached, min(len(cached), self.rng.randint(1, 6)))
-        ids = []
-        for key in sorted(keys):
-            hits = [s.pool.get_cached_block(key[:-4], [key_group(key)]) or [] for s in self.sides]
-            vids = [b.block_id for b in hits[0]]
-            self._agree([vids, [self.ours.to_vllm.get(b.block_id) for b in hits[1]]], "get_cached_block")
-            ids.extend(vids)
-        for s in self.sides:
-            s.pool.touch(self._blocks(s, ids))
-        self.requests.append([ids])
 
     def op_evict(self) -> None:
         ids = set(self.rng.sample(range(self.num_blocks), self.rng.randint(1, 8)))
