@@ -44,6 +44,9 @@ class FencedFreeQueue {
   // Remove the leading ready entries; their handles, in queue order, are appended to
   // `out` and per-entry end offsets (into `out`) to `entry_ends`. Returns the number
   // of entries drained.
+  // Queue one request's parts (one per KV cache group, sizes[p] handles each, empty
+  // parts skipped) as one entry: all of them or, on bad_alloc, none.
+  void push_parts(int64_t fence_seq, const int64_t* handles, const size_t* sizes, size_t num_parts);
   size_t drain(int64_t processed_step_seq, std::vector<int64_t>& out,
                std::vector<size_t>* entry_ends = nullptr);
   // Remove the first entry regardless of its fence. Throws if empty.

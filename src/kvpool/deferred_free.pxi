@@ -170,13 +170,27 @@ cdef class FencedDeferredFreeQueue:
             TypeError: ``fence_seq`` is not an int.
         """
         cdef int64_t fence = _index(fence_seq)
-        cdef bint joined = False
-        for blocks in [list(g) for g in groups]:  # read every group before queuing any
+        cdef list parts = []
+        cdef vector[int64_t] handles
+        cdef vector[size_t] sizes
+        cdef Py_ssize_t n
+        for g in groups:  # read every group before queuing any
+            parts.append(list(g))
+        for blocks in parts:
             if blocks:
-                self._push_part(fence, blocks, joined)
-                joined = True
+                n = self._part_handles(blocks)
+                handles.insert(handles.end(), self._handles.begin(), self._handles.begin() + n)
+                sizes.push_back(<size_t>n)
+        if sizes.size():
+            # One entry, all parts or none (strong on MemoryError).
+            self._q.push_parts(fence, handles.data(), sizes.data(), sizes.size())
 
     cdef _push_part(self, int64_t fence, object blocks, bint joined):
+        cdef Py_ssize_t n = self._part_handles(blocks)
+        self._q.push(fence, self._handles.data(), <size_t>n, joined)
+
+    cdef Py_ssize_t _part_handles(self, object blocks) except -1:
+        # The handles of `blocks` into self._handles[0..n); returns n.
         cdef Py_ssize_t start, step, n, k
         cdef list seq = _source(blocks, &start, &step, &n)
         cdef PyObject** items = kvpool_list_items(<PyObject*>seq) + start
@@ -201,7 +215,7 @@ cdef class FencedDeferredFreeQueue:
                 out[k] = self._handle_of(<object>o)
                 last = <PyObject*>self._last_owner
                 last_index = self._last_owner_index
-        self._q.push(fence, out, <size_t>n, joined)
+        return n
 
     def drain(self, processed_step_seq):
         """Remove the leading entries whose fence is met.
