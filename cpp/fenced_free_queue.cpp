@@ -15,6 +15,7 @@ void FencedFreeQueue::push(int64_t fence_seq, const int64_t* handles, size_t n, 
   }
   num_blocks_ += n;
   if (!joined) ++num_heads_;
+  ++version_;
 }
 
 void FencedFreeQueue::push_parts(int64_t fence_seq, const int64_t* handles, const size_t* sizes,
@@ -35,6 +36,7 @@ void FencedFreeQueue::push_parts(int64_t fence_seq, const int64_t* handles, cons
     buffer_.resize(buffer_before);
     num_blocks_ = blocks_before;
     num_heads_ = heads_before;
+    ++version_;
     throw;
   }
 }
@@ -45,6 +47,7 @@ void FencedFreeQueue::pop_one() {
   head_offset_ = e.end;
   if (!e.joined) --num_heads_;
   entries_.pop_front();
+  ++version_;
   // What is left of a request whose first parts are gone is the head of its entry.
   if (!entries_.empty() && entries_.front().joined) {
     entries_.front().joined = false;
@@ -92,6 +95,7 @@ void FencedFreeQueue::discard_front(size_t k) {
 }
 
 void FencedFreeQueue::clear() {
+  ++version_;
   entries_.clear();
   buffer_.clear();
   head_offset_ = 0;

@@ -46,6 +46,9 @@ class FencedFreeQueue {
   // of entries drained.
   // Queue one request's parts (one per KV cache group, sizes[p] handles each, empty
   // parts skipped) as one entry: all of them or, on bad_alloc, none.
+  // A counter that changes whenever an entry is added or removed: a caller that ran
+  // Python code can tell whether the queue changed meanwhile.
+  uint64_t version() const { return version_; }
   void push_parts(int64_t fence_seq, const int64_t* handles, const size_t* sizes, size_t num_parts);
   size_t drain(int64_t processed_step_seq, std::vector<int64_t>& out,
                std::vector<size_t>* entry_ends = nullptr);
@@ -68,6 +71,7 @@ class FencedFreeQueue {
   void pop_one();
 
   std::deque<Entry> entries_;
+  uint64_t version_ = 0;  // changes with every push and removal
   std::vector<int64_t> buffer_;
   size_t head_offset_ = 0;  // buffer_[0, head_offset_) is drained and reclaimable
   size_t num_blocks_ = 0;

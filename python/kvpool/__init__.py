@@ -19,6 +19,8 @@ __all__ = [
     "FencedDeferredFreeQueue",
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",
+    "KvpoolError",
+    "NotAKvpoolPoolError",
     "UnsupportedVLLMVersionError",
     "__version__",
     "install",
@@ -68,6 +70,14 @@ def __getattr__(name: str):
         from kvpool.block_pool import BlockPool
 
         return BlockPool
+    if name == "KvpoolError":
+        from kvpool.errors import KvpoolError
+
+        return KvpoolError
+    if name == "NotAKvpoolPoolError":
+        from kvpool.block_pool import NotAKvpoolPoolError
+
+        return NotAKvpoolPoolError
     if name == "UnsupportedVLLMVersionError":
         from kvpool.vllm_compat import UnsupportedVLLMVersionError
 

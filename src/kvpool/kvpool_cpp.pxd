@@ -77,6 +77,7 @@ cdef extern from "fenced_free_queue.h" namespace "kvpool" nogil:
         void pop_front(vector[int64_t]& out) except +
         void discard_front(size_t k) except +
         size_t num_entries()
+        uint64_t version()
         size_t num_heads()
         size_t num_blocks()
         cbool empty()

@@ -25,6 +25,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpool.errors import KvpoolError
+
 DEFAULT_INDEX_URL = "https://pypi.org/simple/"
 JSON_ACCEPT = "application/vnd.pypi.simple.v1+json"
 #: Accept header preferring PEP 691 JSON but taking PEP 503 HTML from older mirrors.
@@ -37,7 +39,7 @@ HTTP_TIMEOUT_S = 120
 EXTRACT_MEMBERS = ("tests/", "pyproject.toml")
 
 
-class SdistError(RuntimeError):
+class SdistError(KvpoolError, RuntimeError):
     """The sdist could not be found, downloaded or verified."""
 
 
