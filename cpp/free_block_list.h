@@ -193,6 +193,24 @@ class FreeBlockList {
   void release(int32_t owner);
   void release_all();
   int32_t num_reserved_owners() const { return static_cast<int32_t>(extents_.size()); }
+  // Extents recorded for `owner`, and forgetting the ones after the first `keep` (the
+  // undo of a take() whose allocation failed later). Cannot throw.
+  int32_t num_extents(int32_t owner) const {
+    auto it = extents_.find(owner);
+    return it == extents_.end() ? 0 : static_cast<int32_t>(it->second.size());
+  }
+  void truncate_extents(int32_t owner, int32_t keep) noexcept {
+    auto it = extents_.find(owner);
+    if (it == extents_.end()) return;
+    auto& list = it->second;
+    while (static_cast<int32_t>(list.size()) > keep) {
+      const auto& extent = list.back();
+      reserved_.reset_range(extent.first, extent.first + extent.second);
+      std::fill(owner_of_.begin() + extent.first, owner_of_.begin() + extent.first + extent.second, 0);
+      list.pop_back();
+    }
+    if (list.empty()) extents_.erase(it);
+  }
   // kSegments / kContiguous: relink the uncached segment in ascending slot order; the
   // LRU segment keeps its order, behind it. O(capacity).
   void rebuild_uncached_canonical();

@@ -45,6 +45,7 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     cdef int32_t node, slot
     cdef long refs
     cdef uint64_t insertions
+    cdef int32_t extents_before = 0
     if n < 0:
         raise ValueError(f"cannot get a negative number of blocks ({n})")
     if n > queue._list.size() + queue._count_offset:
@@ -67,6 +68,7 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     if queue._list.order() == ORDER_CONTIGUOUS:
         # The policy chooses the blocks and unlinks them at once; then the same
         # common case as below, over the chosen blocks.
+        extents_before = queue._list.num_extents(owner) if owner > 0 else 0
         queue._list.take(<int32_t>n, hint, owner, want, popped.data())
         while i < n:
             o = table[popped[i]]
@@ -163,6 +165,8 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
             nback += 1
         if nback:
             queue._list.reinsert_front(popped.data(), <int32_t>nback)
+        if owner > 0 and queue._list.order() == ORDER_CONTIGUOUS:
+            queue._list.truncate_extents(owner, extents_before)  # the extent this call reserved
         for j in range(i):
             Py_DECREF_ptr(taken[j])
         _flush(&rb)

@@ -264,6 +264,7 @@ cdef class FreeKVCacheBlockQueue:
         cdef Py_ssize_t i = 0, j, nback = 0
         cdef vector[int32_t] slots
         cdef vector[PyObject*] refs
+        cdef int32_t hint = -1, owner = 0, want = 0, extents_before = 0
         if n < 0:
             raise ValueError(f"cannot pop a negative number of blocks ({n})")
         if n > self._list.size():
@@ -274,6 +275,7 @@ cdef class FreeKVCacheBlockQueue:
             # The policy's choice (for the table set_allocation_plan named, if any).
             hint, owner, want = self._plan_hint, self._plan_owner, self._plan_want
             self._plan_hint, self._plan_owner, self._plan_want = -1, 0, 0
+            extents_before = self._list.num_extents(owner) if owner > 0 else 0
             self._list.take(n, hint, owner, want, slots.data())
         else:
             self._list.popleft_n(n, slots.data())
@@ -293,6 +295,8 @@ cdef class FreeKVCacheBlockQueue:
                     nback += 1
             if nback:
                 self._list.reinsert_front(slots.data(), <int32_t>nback)
+            if self._list.order() == ORDER_CONTIGUOUS and owner > 0:
+                self._list.truncate_extents(owner, extents_before)
             raise
         for i in range(n):
             kvpool_list_items(<PyObject*>out)[i] = refs[i]  # the list takes the reference

@@ -53,6 +53,8 @@ cdef extern from "free_block_list.h" namespace "kvpool" nogil:
         void release(int32_t owner)
         void release_all()
         int32_t num_reserved_owners()
+        int32_t num_extents(int32_t owner)
+        void truncate_extents(int32_t owner, int32_t keep)
         void rebuild_uncached_canonical() except +
         void free_runs(int32_t* num_runs, int32_t* longest)
         void grow(int32_t extra) except +
