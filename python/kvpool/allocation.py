@@ -91,7 +91,7 @@ def _extending_table(method):
     @functools.wraps(method)
     def wrapper(self, request_id, *args, **kwargs):
         pool = self.block_pool
-        if not getattr(pool, "_kvpool_native", False):  # not a pool kvpool built
+        if not getattr(pool, "_kvpool_init", False):  # not a pool kvpool built
             return method(self, request_id, *args, **kwargs)
         outer = pool._table_context
         pool._table_context = (self, request_id)
@@ -112,7 +112,7 @@ def _releasing_extent(method):
     def wrapper(self, request_id, *args, **kwargs):
         blocks = method(self, request_id, *args, **kwargs)
         pool = self.block_pool
-        if getattr(pool, "_kvpool_native", False):
+        if getattr(pool, "_kvpool_init", False):  # _end_table checks the queue
             pool._end_table(self, request_id)
         return blocks
 

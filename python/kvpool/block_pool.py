@@ -132,23 +132,23 @@ class BlockPool(VllmBlockPool):
         ValueError: ``num_gpu_blocks`` is not a positive int.
     """
 
-    #: True when this pool is one ``BlockPool.__init__`` built and its
-    #: ``free_block_queue`` is a kvpool queue; otherwise (a subclass that skipped
-    #: ``__init__`` or swapped the queue for another kind) vLLM's methods run.
-    _kvpool_native = False
+    #: Set by ``BlockPool.__init__``; a subclass that skips it keeps this False and
+    #: runs vLLM's methods (so does a pool whose ``free_block_queue`` was replaced by
+    #: another kind of queue: each method checks the queue's type too).
+    _kvpool_init = False
 
-    def __setattr__(self, name, value):
-        object.__setattr__(self, name, value)
-        if name == "free_block_queue":
-            d = self.__dict__
-            d["_kvpool_native"] = "_table_owners" in d and type(value) is FreeKVCacheBlockQueue
+    @property
+    def _kvpool_native(self) -> bool:
+        """True when kvpool's code runs this pool: built by ``BlockPool.__init__`` and
+        its ``free_block_queue`` a kvpool queue."""
+        return self._kvpool_init and type(self.free_block_queue) is FreeKVCacheBlockQueue
 
     def _require_native(self, what: str) -> None:
-        if not self._kvpool_native:
+        if not (self._kvpool_init and type(self.free_block_queue) is FreeKVCacheBlockQueue):
             raise NotAKvpoolPoolError(
                 f"{what} is a kvpool addition and needs a pool that kvpool.BlockPool.__init__ "
                 f"built with its kvpool free queue; {type(self).__qualname__} "
-                + ("did not run BlockPool.__init__" if "_table_owners" not in self.__dict__
+                + ("did not run BlockPool.__init__" if not self._kvpool_init
                    else f"replaced free_block_queue with a {type(self.free_block_queue).__qualname__}")
                 + " (vLLM's own BlockPool methods still work on it)")
 
@@ -200,7 +200,7 @@ class BlockPool(VllmBlockPool):
         self.kv_event_queue = []
         self.metrics_collector = metrics_collector
         self._reuse_watchers = {}
-        self._kvpool_native = True
+        self._kvpool_init = True
 
     # -- hot paths ---------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -213,7 +213,7 @@ class BlockPool(VllmBlockPool):
             ValueError: more blocks than are free ("Cannot get N free blocks from the
                 pool") or ``num_blocks < 0``.
         """
-        if not self._kvpool_native:
+        if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
             return VllmBlockPool.get_new_blocks(self, num_blocks)
         context = self._table_context
         if context is not None:
@@ -304,7 +304,7 @@ class BlockPool(VllmBlockPool):
 
     def _end_table(self, manager, request_id: str) -> None:
         # The request's table in `manager` is gone: release its reserved extent.
-        if not self._kvpool_native:
+        if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
             return
         owner = self._table_owners.pop((id(manager), request_id), None)
         if owner is not None:
@@ -333,7 +333,7 @@ class BlockPool(VllmBlockPool):
         Raises:
             BlockStateError: double free or a block of another pool (nothing freed).
         """
-        if not self._kvpool_native:
+        if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
             return VllmBlockPool.free_blocks(self, ordered_blocks)
         others = pool_free_blocks(self, self.free_block_queue, ordered_blocks, self.enable_caching)
         if others:
@@ -345,7 +345,7 @@ class BlockPool(VllmBlockPool):
     def touch(self, blocks) -> None:
         """``ref_cnt += 1`` for each block (prefix-cache hit), taking eviction
         candidates out of the free queue. Mirrors ``BlockPool.touch``."""
-        if not self._kvpool_native:
+        if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
             return VllmBlockPool.touch(self, blocks)
         if self.metrics_collector is not None:
             VllmBlockPool.touch(self, blocks)
@@ -357,7 +357,7 @@ class BlockPool(VllmBlockPool):
     def unpin_blocks(self, blocks, on_reuse) -> None:
         """Release references to blocks that stay readable until reused. Mirrors
         ``BlockPool.unpin_blocks``."""
-        if not self._kvpool_native:
+        if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
             return VllmBlockPool.unpin_blocks(self, blocks, on_reuse)
         pool_unpin_blocks(self.free_block_queue, blocks, self._reuse_watchers, on_reuse)
         if self.allocation == "contiguous":
@@ -373,7 +373,7 @@ class BlockPool(VllmBlockPool):
             BlockIdOutOfRangeError: an id outside ``[0, num_gpu_blocks)``; nothing is
                 evicted.
         """
-        if not self._kvpool_native:
+        if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
             return VllmBlockPool.evict_blocks(self, block_ids)
         every_block = self.metrics_collector is not None
         for block in pool_blocks_to_evict(
@@ -405,7 +405,7 @@ class BlockPool(VllmBlockPool):
                 build (see the module docstring); ``KVPOOL_REORDER_ON_RESET=1`` does not
                 apply to such a pool.
         """
-        if not self._kvpool_native:
+        if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
             if reorder_free_queue:
                 self._require_native("reset_prefix_cache(reorder_free_queue=True)")
             return VllmBlockPool.reset_prefix_cache(self)
