@@ -476,24 +476,21 @@ inline void FreeBlockList::grow(int32_t extra) {
   if (extra > INT32_MAX - kFirst - capacity_) throw SlotOutOfRange("free list capacity overflow");
   const int32_t capacity = capacity_ + extra;
   const size_t nodes = static_cast<size_t>(capacity) + kFirst;
-  // Every allocation first (reserve), then the resizes, which then cannot throw.
-  SlotBitmap uncached = uncached_, reserved = reserved_;
+  // Every allocation first (reserve; the bitmaps' resize is strong by itself and a
+  // bitmap longer than the list is harmless: its extra bits are 0), then the vector
+  // resizes, which cannot throw within the reserved capacity.
   prev_.reserve(nodes);
   next_.reserve(nodes);
   if (order_ != kVllmOrder) lru_.reserve(static_cast<size_t>(capacity));
   if (order_ == kContiguous) {
-    uncached.resize(capacity);
-    reserved.resize(capacity);
     owner_of_.reserve(static_cast<size_t>(capacity));
+    if (uncached_.capacity() < capacity) uncached_.resize(capacity);
+    if (reserved_.capacity() < capacity) reserved_.resize(capacity);
   }
   prev_.resize(nodes, kNotFree);
   next_.resize(nodes, kNotFree);
   if (order_ != kVllmOrder) lru_.resize(static_cast<size_t>(capacity), 0);
-  if (order_ == kContiguous) {
-    uncached_.swap(uncached);
-    reserved_.swap(reserved);
-    owner_of_.resize(static_cast<size_t>(capacity), 0);
-  }
+  if (order_ == kContiguous) owner_of_.resize(static_cast<size_t>(capacity), 0);
   capacity_ = capacity;
 }
 
