@@ -21,6 +21,9 @@ import pytest
 HERE = Path(__file__).parent
 SHIM = HERE / "native" / "failmalloc.cpp"
 SWEEP = HERE / "native" / "fault_sweep.py"
+#: Operations that allocate nothing at all (their sweep ends at k=0): the free and
+#: touch loops work in place.
+ALLOCATION_FREE = {"free_blocks", "free_blocks_pool", "free_blocks_contiguous", "touch", "touch_contiguous"}
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +74,11 @@ def test_the_shim_fails_exactly_the_armed_allocation(failmalloc):
 
 
 @pytest.mark.parametrize("operations", [
-    ("create", "create_contiguous", "takeover", "adopt"),
-    ("get_new_blocks", "get_new_blocks_contiguous", "get_new_blocks_segments", "get_new_blocks_extent"),
-    ("free_blocks", "free_blocks_contiguous", "touch", "touch_contiguous"),
-    ("set_order_contiguous", "set_order_segments", "reorder", "reorder_contiguous",
+    ("create", "create_pool", "create_contiguous", "takeover", "adopt"),
+    ("get_new_blocks", "get_new_blocks_pool", "get_new_blocks_contiguous", "get_new_blocks_segments",
+     "get_new_blocks_extent"),
+    ("free_blocks", "free_blocks_pool", "free_blocks_contiguous", "touch", "touch_contiguous"),
+    ("set_order_contiguous", "set_order_segments", "reorder", "reorder_pool", "reorder_contiguous",
      "rebuild_uncached", "reset_prefix_cache"),
     ("lists", "deferred_push_groups", "deferred_free_ready", "deferred_drain"),
 ], ids=["creation", "allocation", "free-touch", "orders-reorder", "lists-deferred"])
@@ -83,10 +87,17 @@ def test_a_failed_allocation_anywhere_leaves_the_pool_as_it_was(failmalloc, oper
     last = done.stdout.strip().splitlines()[-1:] or ["(nothing)"]
     assert done.returncode == 0, (
         f"sweep died (rc {done.returncode}) at {last[0]}\n{done.stderr[-4000:]}")
-    reported = [line.split()[1].rstrip(":") for line in done.stdout.splitlines() if line.startswith("OK ")]
-    assert reported == list(operations)
-    # Each operation allocates, so each was really swept (a shim that never fails
-    # would report 0 points and fail here).
-    for line in done.stdout.splitlines():
-        if line.startswith("OK "):
-            assert int(line.split(": ")[1].split()[0]) >= 1, line
+    swept = [line.split()[1].rstrip(":") for line in done.stdout.splitlines() if line.startswith("OK ")]
+    skipped = [line.split()[1].rstrip(":") for line in done.stdout.splitlines() if line.startswith("SKIP ")]
+    assert sorted(swept + skipped) == sorted(operations)
+    if hasattr(sys, "gettotalrefcount"):
+        # Py_DEBUG: operations whose armed call is Python code are skipped (CPython's
+        # debug build asserts in its own error paths there); the native ones still run.
+        assert swept, "no native operation swept"
+    else:
+        assert not skipped, skipped
+    # Most operations allocate (a few native ones never do: a pool's free loop, its
+    # canonical rebuild), so each group really reached failures (a shim that never
+    # fails would report 0 points everywhere and fail here).
+    points = [int(line.split(": ")[1].split()[0]) for line in done.stdout.splitlines() if line.startswith("OK ")]
+    assert sum(points) >= 1 or set(operations) <= ALLOCATION_FREE, done.stdout

@@ -17,7 +17,7 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue as VllmFreeKVCache
 from vllm.v1.core.kv_cache_utils import KVCacheBlock as VllmKVCacheBlock
 
 import kvpool
-from kvpool._core import KVCacheBlock, count_table_pairs, make_pool_blocks
+from kvpool._core import FencedDeferredFreeQueue, FreeKVCacheBlockQueue, KVCacheBlock, count_table_pairs, make_pool_blocks
 from kvpool.block_pool import BlockPool, NotAKvpoolPoolError, VllmBlockPool
 from tests.vllm_helpers import make_request, make_scheduler, runner_output
 
@@ -184,3 +184,86 @@ def test_the_kvpool_error_base_covers_every_kvpool_exception():
     assert issubclass(BlockStateError, ValueError) and issubclass(BlockStateError, RuntimeError)
     assert issubclass(BlockIdOutOfRangeError, IndexError)
     assert issubclass(UnsupportedVLLMVersionError, RuntimeError)
+
+
+# -- found by the second break-it pass ---------------------------------------------------
+def test_the_deferred_queues_tables_are_not_reachable_through_the_collector():
+    _, queue = make_pool_blocks(None, 16)
+    held = queue.popleft_n(3)
+    for b in held:
+        b.ref_cnt = 1
+    deferred = FencedDeferredFreeQueue()
+    deferred.push(1, list(reversed(held)))
+    referents = gc.get_referents(deferred)
+    # Once: its owner list and index dict, whose edits made a drain read a bytes
+    # object as a queue (SIGSEGV) or free another pool's held block.
+    assert not any(type(r) in (list, dict) for r in referents)
+    assert any(r is queue for r in referents)  # the owner queue is still visited
+    assert [b.block_id for _, blocks in deferred for b in blocks] == [0, 1, 2]
+
+
+def test_the_small_int_table_cannot_be_emptied():
+    referrers = gc.get_referrers(5)
+    # Once a list, found this way and cleared: the next block creation read past it.
+    # (now a tuple of ints, which the collector does not even track)
+    assert not any(type(r) is list and r == list(range(1024)) for r in referrers)
+
+
+def test_a_block_ids_comparison_cannot_run_while_a_batch_is_collected():
+    taken = []
+
+    class Id(int):
+        def __gt__(self, other):
+            taken.append(FreeKVCacheBlockQueue([a]))  # would take a over mid-append
+            return int(self) > int(other)
+
+        __hash__ = int.__hash__
+
+    a, b = KVCacheBlock(Id(1)), KVCacheBlock(Id(2))
+    queue = FreeKVCacheBlockQueue([])
+    queue.append_n([a, b])
+    assert not taken  # once: a was linked in both queues and handed out twice
+    assert queue.free_block_ids() == [1, 2]
+    queue.check_invariants()
+
+
+def test_a_queue_used_by_the_iterable_it_is_built_from_is_refused():
+    queue = FreeKVCacheBlockQueue.__new__(FreeKVCacheBlockQueue)
+    stale = KVCacheBlock(100)
+
+    def blocks():
+        queue.append(stale)  # registered in the table __init__ would replace
+        yield KVCacheBlock(0)
+
+    with pytest.raises(RuntimeError, match="was used while its blocks were read"):
+        queue.__init__(blocks())
+    assert stale in queue and queue.free_block_ids() == [100]  # once: stale, then lost
+    queue.check_invariants()
+
+
+@pytest.mark.usefixtures("installed")
+def test_malformed_table_counters_are_refused_before_anything_is_taken():
+    pool = BlockPool(32, True, 16)
+    pool._table_counters = [0, 0, 0]
+    with pytest.raises(TypeError, match="table_counters"):
+        pool._native_get_new_blocks(5, table_last=3)
+    assert pool.get_num_free_blocks() == 31  # once: 5 blocks taken, then lost
+
+
+def test_a_subclass_that_skips_init_frees_deferred_blocks_like_vllm(monkeypatch):
+    from vllm.v1.request import RequestStatus
+
+    kvpool.install()
+    try:
+        scheduler = _scheduler_with(ElasticPool, monkeypatch)
+        pool = scheduler.kv_cache_manager.block_pool
+        scheduler.defer_block_free = True  # async scheduling with a KV consumer
+        scheduler.add_request(make_request("r", list(range(40))))
+        scheduler.schedule()
+        scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)  # a step in flight
+        assert len(scheduler.deferred_frees) == 1
+        scheduler.processed_step_seq = scheduler.sched_step_seq
+        scheduler._drain_deferred_frees()  # once: AttributeError 'allocation'
+        assert pool.get_num_free_blocks() == 63 and not scheduler.deferred_frees
+    finally:
+        kvpool.uninstall()

@@ -141,15 +141,16 @@ class BlockPool(VllmBlockPool):
     def _kvpool_native(self) -> bool:
         """True when kvpool's code runs this pool: built by ``BlockPool.__init__`` and
         its ``free_block_queue`` a kvpool queue."""
-        return self._kvpool_init and type(self.free_block_queue) is FreeKVCacheBlockQueue
+        return self._kvpool_init and type(getattr(self, "free_block_queue", None)) is FreeKVCacheBlockQueue
 
     def _require_native(self, what: str) -> None:
-        if not (self._kvpool_init and type(self.free_block_queue) is FreeKVCacheBlockQueue):
+        if not self._kvpool_native:
             raise NotAKvpoolPoolError(
                 f"{what} is a kvpool addition and needs a pool that kvpool.BlockPool.__init__ "
                 f"built with its kvpool free queue; {type(self).__qualname__} "
                 + ("did not run BlockPool.__init__" if not self._kvpool_init
-                   else f"replaced free_block_queue with a {type(self.free_block_queue).__qualname__}")
+                   else "replaced free_block_queue with a "
+                   f"{type(getattr(self, 'free_block_queue', None)).__qualname__}")
                 + " (vLLM's own BlockPool methods still work on it)")
 
     def __init__(
@@ -256,13 +257,13 @@ class BlockPool(VllmBlockPool):
                     blocks = VllmBlockPool.get_new_blocks(self, num_blocks)
                 finally:
                     self.free_block_queue.set_allocation_plan(-1, 0, 0)
-                count_table_pairs(last, blocks, self._table_counters)
+                self._count_pairs(last, blocks)
             else:
                 blocks = self._native_get_new_blocks(num_blocks, hint, owner, want, table_last=last)
             self._absorb_unhashed()
         elif self._needs_vllm_loop():
             blocks = VllmBlockPool.get_new_blocks(self, num_blocks)
-            count_table_pairs(last, blocks, self._table_counters)
+            self._count_pairs(last, blocks)
         else:
             blocks = self._native_get_new_blocks(num_blocks, table_last=last)
         return blocks
@@ -296,11 +297,25 @@ class BlockPool(VllmBlockPool):
             or type(self)._maybe_evict_cached_block is not _VLLM_MAYBE_EVICT
         )
 
+    def _count_pairs(self, last, blocks) -> None:
+        # The table statistics after vLLM's loop: best-effort, like the native loop's,
+        # so a failure (no memory) never drops the allocation that was made.
+        try:
+            count_table_pairs(last, blocks, self._table_counters)
+        except MemoryError:
+            pass
+
     def _absorb_unhashed(self) -> None:
         # Contiguous policy: the LRU segment's leading blocks without a hash (or a reuse
         # watcher) are served by vLLM right after the uncached ones; let them join the
-        # sorted uncached segment (nothing cached is hit or evicted differently).
-        self.free_block_queue.absorb_unhashed_lru_front(self.cached_block_hashes_by_block, self._reuse_watchers)
+        # sorted uncached segment (nothing cached is hit or evicted differently). Runs
+        # after an operation has done its work, so it never raises: each block it moves
+        # is moved whole, and one it could not move (no memory) stays where vLLM
+        # serves it anyway, right behind the uncached segment.
+        try:
+            self.free_block_queue.absorb_unhashed_lru_front(self.cached_block_hashes_by_block, self._reuse_watchers)
+        except MemoryError:
+            pass
 
     def _end_table(self, manager, request_id: str) -> None:
         # The request's table in `manager` is gone: release its reserved extent.
@@ -315,13 +330,19 @@ class BlockPool(VllmBlockPool):
         # Blocks were freed. On idle (only the null block held): no table is live, so
         # no extent is either; with KVPOOL_REORDER_ON_IDLE=1 the uncached segment is
         # restored to block_id order.
+        # Runs after the free is done, so it never raises: a reorder that finds no
+        # memory is skipped (the order is only a preference; the next idle moment
+        # tries again).
         if self.free_block_queue.num_free_blocks != self.num_gpu_blocks - 1:
             return
         if self.allocation == "contiguous":
             self.free_block_queue.release_all_extents()
             self._table_owners.clear()
         elif self._restore_on_idle:
-            self.free_block_queue.rebuild_uncached_canonical()
+            try:
+                self.free_block_queue.rebuild_uncached_canonical()
+            except MemoryError:
+                pass
 
     def free_blocks(self, ordered_blocks) -> None:
         """Decrement ``ref_cnt``; blocks reaching 0 return to the free queue, hashed
@@ -405,7 +426,7 @@ class BlockPool(VllmBlockPool):
                 build (see the module docstring); ``KVPOOL_REORDER_ON_RESET=1`` does not
                 apply to such a pool.
         """
-        if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
+        if not self._kvpool_native:
             if reorder_free_queue:
                 self._require_native("reset_prefix_cache(reorder_free_queue=True)")
             return VllmBlockPool.reset_prefix_cache(self)

@@ -85,8 +85,10 @@ def _frees_natively(pool) -> bool:
         from kvpool.block_pool import BlockPool
 
         _native_free_blocks = BlockPool.free_blocks
-    return getattr(type(pool), "free_blocks", None) is _native_free_blocks and isinstance(
-        getattr(pool, "free_block_queue", None), FreeKVCacheBlockQueue
+    # _kvpool_native: BlockPool.__init__ ran (a subclass that skips it runs vLLM's code)
+    # and the queue is kvpool's.
+    return getattr(type(pool), "free_blocks", None) is _native_free_blocks and getattr(
+        pool, "_kvpool_native", False
     )
 
 

@@ -53,6 +53,9 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     if n > queue._list.size():
         raise ValueError(f"Cannot get {n} free blocks from the pool "
                          f"(only {queue._list.size()} are really free)")
+    if table_counters is not None and (type(table_counters) is not list
+                                       or PyList_GET_SIZE(table_counters) != 4):
+        raise TypeError("table_counters must be a list of 4 ints")
     # Every allocation of the call before its first change (strong on MemoryError).
     popped.resize(n)
     taken.resize(n)
@@ -186,5 +189,10 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     _fold_0_to_1(&rb, n01)
     _flush(&rb)
     if table_counters is not None:
-        _count_slot_pairs(popped.data(), n, prev_last, table_counters)
+        # Statistics only: an update that fails (no memory for a large count, a list
+        # changed by Python code during the call) is dropped, never the allocation.
+        try:
+            _count_slot_pairs(popped.data(), n, prev_last, table_counters)
+        except Exception:
+            pass
     return ret

@@ -19,14 +19,14 @@ cdef inline long _ref_cnt(KVCacheBlock b) except? -1:
 
 
 # Reference counts are small: store shared int objects instead of creating new ones.
-cdef list _SMALL_INTS = list(range(1024))
+cdef tuple _SMALL_INTS = tuple(range(1024))  # immutable: gc.get_referrers reaches it
 
 
 cdef inline int _set_ref_cnt(KVCacheBlock b, long value) except -1:
     if value == LONG_MAX:
         raise OverflowError("ref_cnt overflow")
     if 0 <= value < 1024:
-        return _store(&b._ref_cnt_o, <object>PyList_GET_ITEM(_SMALL_INTS, value))
+        return _store(&b._ref_cnt_o, <object>PyTuple_GET_ITEM(_SMALL_INTS, value))
     return _store(&b._ref_cnt_o, value)
 
 

@@ -6,6 +6,11 @@
 cdef int64_t _LOOSE_OWNER = 0x7FFFFFFF  # handle = owner << 32 | slot, kept non-negative
 
 
+cdef inline dict _untracked_dict(dict table):
+    PyObject_GC_UnTrack(<void*>table)  # ints only: nothing to traverse
+    return table
+
+
 @cython.auto_pickle(False)
 cdef class FencedDeferredFreeQueue:
     """FIFO of ``(fence_seq, blocks)`` deferred frees, stored natively.
@@ -36,9 +41,9 @@ cdef class FencedDeferredFreeQueue:
     cdef vector[int64_t] _handles
 
     def __cinit__(self):
-        self._owners = []
-        self._owner_index = {}
-        self._loose = []
+        self._owners = _untracked([])
+        self._owner_index = _untracked_dict({})
+        self._loose = _untracked([])
 
     def __init__(self, entries=()):
         for item in entries:
@@ -141,7 +146,7 @@ cdef class FencedDeferredFreeQueue:
         cdef dict owner_index
         if self._q.empty():
             try:
-                owners, owner_index, loose = [], {}, []
+                owners, owner_index, loose = _untracked([]), _untracked_dict({}), _untracked([])
             except MemoryError:
                 return
             old = (self._owners, self._owner_index, self._loose, self._last_owner)
@@ -381,17 +386,26 @@ cdef class FencedDeferredFreeQueue:
         cdef vector[PyObject*] refs
         cdef size_t parts
         cdef int64_t fence
-        if self._q.empty():
-            raise IndexError("pop from an empty deque")
-        parts = self._end_of_entry(0)
-        fence = self._q.entry(0).fence_seq
-        # owned, then removed: no Python code between
-        self._take(self._q.entry(0).begin, self._q.entry(parts - 1).end, refs)
+        cdef uint64_t version
+        # The result is built while the entry is still queued and the entry removed only
+        # then (a MemoryError removes nothing); if Python code run by the allocation
+        # changed the queue, the result is dropped and built again.
+        while True:
+            if self._q.empty():
+                raise IndexError("pop from an empty deque")
+            version = self._q.version()
+            parts = self._end_of_entry(0)
+            fence = self._q.entry(0).fence_seq
+            refs.clear()
+            self._take(self._q.entry(0).begin, self._q.entry(parts - 1).end, refs)
+            blocks = self._list_of(refs, 0, refs.size(), True)  # takes refs, or drops them
+            item = (fence, blocks)
+            if self._q.version() == version:
+                break
+            item = None
         self._q.discard_front(parts)
-        try:
-            return (fence, self._list_of(refs, 0, refs.size(), True))
-        finally:
-            self._maybe_reset_tables()
+        self._maybe_reset_tables()
+        return item
 
     def clear(self):
         self._q.clear()
@@ -428,3 +442,53 @@ cdef class FencedDeferredFreeQueue:
 
     def __repr__(self):
         return f"FencedDeferredFreeQueue({list(self)!r})"
+
+
+# -- the deferred queue's tp_traverse: its owner and loose tables are internal -------------
+# Like the free queue's block table: the lists and the index dict are untracked and the
+# collector (and gc.get_referents) gets their items, the owner queues and loose blocks,
+# never the containers, so no Python code can edit the handles' meaning.
+cdef traverseproc _deferred_generated_traverse = NULL
+
+
+cdef struct _SkipThree:
+    visitproc visit
+    void* arg
+    PyObject* skip[3]
+
+
+cdef int _visit_skipping_three(PyObject* o, void* arg) noexcept:
+    cdef _SkipThree* sv = <_SkipThree*>arg
+    if o == sv.skip[0] or o == sv.skip[1] or o == sv.skip[2]:
+        return 0
+    return sv.visit(o, sv.arg)
+
+
+cdef int _deferred_traverse(PyObject* o, visitproc visit, void* arg) noexcept:
+    cdef FencedDeferredFreeQueue q = <FencedDeferredFreeQueue>o
+    cdef _SkipThree sv
+    cdef int r
+    sv.visit = visit
+    sv.arg = arg
+    sv.skip[0] = <PyObject*>q._owners
+    sv.skip[1] = <PyObject*>q._owner_index
+    sv.skip[2] = <PyObject*>q._loose
+    r = _visit_items(sv.skip[0], visit, arg)
+    if r:
+        return r
+    r = _visit_items(sv.skip[2], visit, arg)
+    if r:
+        return r
+    return _deferred_generated_traverse(o, _visit_skipping_three, &sv)
+
+
+cdef _install_deferred_traverse():
+    cdef _GCTypeObject* tp = <_GCTypeObject*>FencedDeferredFreeQueue
+    global _deferred_generated_traverse
+    if tp.tp_traverse != _deferred_traverse:
+        _deferred_generated_traverse = tp.tp_traverse
+        tp.tp_traverse = _deferred_traverse
+        PyType_Modified(<_TypeObject*>tp)
+
+
+_install_deferred_traverse()

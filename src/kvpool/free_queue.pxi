@@ -91,6 +91,8 @@ cdef class FreeKVCacheBlockQueue:
         if self._initialized or PyList_GET_SIZE(self._blocks):
             raise RuntimeError("FreeKVCacheBlockQueue is already initialised; build a new one")
         blist = list(blocks)
+        if self._initialized or PyList_GET_SIZE(self._blocks):  # the iterable's code used it
+            raise RuntimeError("FreeKVCacheBlockQueue was used while its blocks were read; build a new one")
         n = len(blist)
         for i in range(n):
             obj = blist[i]
@@ -110,6 +112,8 @@ cdef class FreeKVCacheBlockQueue:
                     break
         except TypeError:
             ids_ascending = False
+        if self._initialized or PyList_GET_SIZE(self._blocks):  # a block id's __gt__ used it
+            raise RuntimeError("FreeKVCacheBlockQueue was used while its blocks were read; build a new one")
         # Allocate before any block is taken over: a MemoryError leaves every block
         # with its old queue.
         cdef FreeBlockList fresh
@@ -159,12 +163,12 @@ cdef class FreeKVCacheBlockQueue:
         block._prev_py = None
         block._next_py = None
         if slot > 0 and self._ids_ascending:
+            # Exact ints only: a caller's __gt__ must not run while a batch's slots are
+            # being collected (it could hand a collected block to another queue).
             prev_obj = self._block_at(slot - 1)
-            try:
-                ascending = _block_id(block) > _block_id(<KVCacheBlock>prev_obj)
-            except TypeError:
-                ascending = False
-            if not ascending:
+            new_id = _block_id(block)
+            prev_id = _block_id(<KVCacheBlock>prev_obj)
+            if not (type(new_id) is int and type(prev_id) is int and new_id > prev_id):
                 self._ids_ascending = False
         return slot
 
@@ -195,7 +199,7 @@ cdef class FreeKVCacheBlockQueue:
         if existing is not None:
             return existing
         if slot < 1024:
-            _store(&b._block_id_o, <object>PyList_GET_ITEM(_SMALL_INTS, slot))
+            _store(&b._block_id_o, <object>PyTuple_GET_ITEM(_SMALL_INTS, slot))
         else:
             _store(&b._block_id_o, slot)
         b.pool = self._lazy_pool
@@ -669,6 +673,22 @@ cdef _install_queue_traverse():
 
 
 _install_queue_traverse()
+
+
+cdef int _visit_items(PyObject* table, visitproc visit, void* arg) noexcept:
+    # Visit the items of an untracked list (not the list).
+    cdef PyObject** items
+    cdef Py_ssize_t i
+    cdef int r
+    if table == NULL or not _PyList_CheckExact(table):
+        return 0
+    items = kvpool_list_items(table)
+    for i in range(_Py_SIZE(table)):
+        if items[i] != NULL:
+            r = visit(items[i], arg)
+            if r:
+                return r
+    return 0
 
 
 def make_pool_blocks(object pool, int num_blocks):
