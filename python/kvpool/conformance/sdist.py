@@ -25,6 +25,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpool import envs
+
 DEFAULT_INDEX_URL = "https://pypi.org/simple/"
 JSON_ACCEPT = "application/vnd.pypi.simple.v1+json"
 #: Accept header preferring PEP 691 JSON but taking PEP 503 HTML from older mirrors.
@@ -51,9 +53,8 @@ class SdistFile:
 
 
 def cache_dir() -> Path:
-    """``$KVPOOL_CACHE_DIR``, default ``~/.cache/kvpool``."""
-    env = os.environ.get("KVPOOL_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvpool"
+    """``$KVPOOL_CACHE_DIR``, default ``~/.cache/kvpool`` (:mod:`kvpool.envs`)."""
+    return Path(envs.get(envs.CACHE_DIR)).expanduser()
 
 
 def _pip_config() -> dict[str, str]:
@@ -96,7 +97,7 @@ def index_urls(explicit: str | None = None) -> list[str]:
 
     primary = (
         explicit
-        or os.environ.get("KVPOOL_INDEX_URL")
+        or envs.get(envs.INDEX_URL)
         or os.environ.get("PIP_INDEX_URL")
         or pip_setting("index-url")
         or DEFAULT_INDEX_URL
