@@ -81,6 +81,19 @@ class Patcher:
         """vLLM's original classes by name."""
         return self._state.vanilla
 
+    def require(self, owner: type, *names: str) -> None:
+        """Check that vLLM's ``owner`` has every attribute in ``names`` (what a patch
+        replaces or what its replacement calls), before the patch changes anything.
+
+        Raises:
+            MissingPatchTargetError: one is missing (an untested vLLM release);
+                ``install()`` then skips the patch module on a forced untested release.
+        """
+        missing = [n for n in names if not hasattr(owner, n)]
+        if missing:
+            raise MissingPatchTargetError(
+                f"{owner.__module__}.{owner.__qualname__} has no {', '.join(missing)} (kvpool patches or calls it)")
+
     def set_attr(self, owner: Any, name: str, value: Any) -> None:
         """``setattr(owner, name, value)``, remembering the previous value."""
         if name == "__annotations__" and isinstance(owner, type):
