@@ -38,6 +38,8 @@ def _modes(text: str) -> tuple[str, ...]:
 
 #: Where a run without --json writes its report and plot (relative to the working folder).
 DEFAULT_OUT_DIR = "replay-out"
+#: Table width when stdout is not a terminal (and COLUMNS is not set).
+PIPED_WIDTH = 120
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.console import Console
 
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    # A terminal: its width. Piped or redirected: COLUMNS if set, else a readable 120.
+    console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else PIPED_WIDTH)
     err = Console(stderr=True)
 
     from kvpool.hf_offline import offline_hf_cache

@@ -269,19 +269,25 @@ def verdict(report: dict[str, Any]) -> list[str]:
     if differ:
         second.append(f"differ from vanilla's: {', '.join(differ)}")
     if ratios:
-        second.append(f"scheduler CPU per step {min(ratios):.2f}-{max(ratios):.2f}x vanilla's")
+        span = f"{min(ratios):.2f}x" if f"{min(ratios):.2f}" == f"{max(ratios):.2f}" else \
+            f"{min(ratios):.2f}-{max(ratios):.2f}x"
+        second.append(f"scheduler CPU per step {span} vanilla's")
     if second:
         lines.append("         " + "; ".join(second) + ".")
     return lines
 
 
-#: Plot styles: kvpool (no reorder) is drawn thin on top of a wide vanilla line, so
-#: identical curves stay visible as identical.
+#: Plot styles. Modes that often draw the same curve come in pairs (vanilla / kvpool:
+#: same allocation order; kvpool+reorder / kvpool+contiguous: both at 1.0): the first of
+#: each pair wide and pale underneath, the second thin, dashed, with its own marker, on
+#: top, so identical curves stay visible as two.
 _PLOT = {
-    "vanilla": {"color": "tab:red", "lw": 5, "alpha": 0.45, "marker": "o", "ms": 9},
-    "kvpool": {"color": "tab:orange", "lw": 1.5, "alpha": 1.0, "marker": "x", "ms": 7},
-    "kvpool+reorder": {"color": "tab:green", "lw": 2, "alpha": 1.0, "marker": "s", "ms": 5},
-    "kvpool+contiguous": {"color": "tab:blue", "lw": 2, "alpha": 1.0, "marker": "^", "ms": 6},
+    "vanilla": {"color": "tab:red", "lw": 6, "alpha": 0.4, "ls": "-", "marker": "o", "ms": 10, "zorder": 2},
+    "kvpool": {"color": "tab:orange", "lw": 1.5, "alpha": 1.0, "ls": "--", "marker": "x", "ms": 7, "zorder": 4},
+    "kvpool+reorder": {"color": "tab:green", "lw": 6, "alpha": 0.4, "ls": "-", "marker": "s", "ms": 10,
+                       "zorder": 1},
+    "kvpool+contiguous": {"color": "tab:blue", "lw": 1.5, "alpha": 1.0, "ls": ":", "marker": "^", "ms": 6,
+                          "zorder": 3},
 }
 
 
@@ -293,6 +299,16 @@ def first_wrap_round(rounds: list[dict[str, Any]], num_blocks: int) -> int | Non
 
 def plot(report: dict[str, Any], path: str | Path) -> None:
     """Write a PNG: prompt contiguity, whole-table contiguity and scheduler CPU per round."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(report)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def figure(report: dict[str, Any]):
+    """The matplotlib ``Figure`` :func:`plot` writes: three panels over the rounds, one
+    legend below them (never over a curve)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -302,40 +318,26 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     modes = {m: r for m, r in report["modes"].items() if "rounds" in r}
     wl, cfg = report["workload"], report["config"]
     cmp_ = report.get("comparison", {})
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.4))
     panels = (
         ("contiguity", "prompt blocks (after prefill)"),
         ("table_contiguity", "whole block table (at finish)"),
     )
     for ax, (key, what) in zip(axes, panels):
         for m, r in modes.items():
-            st = _PLOT.get(m, {})
-            label = m
-            c = cmp_.get(m, {})
-            if c.get("rounds_identical_to_vanilla") == len(r["rounds"]):
-                label += " (tables identical to vanilla)"
-            elif c.get("rounds_cache_equal_to_vanilla") == len(r["rounds"]):
-                label += " (hits/evictions/preemptions = vanilla)"
             ys = [float("nan") if x[key] is None else x[key] for x in r["rounds"]]
-            ax.plot([x["round"] for x in r["rounds"]], ys, "-", label=label, **st)
+            ax.plot([x["round"] for x in r["rounds"]], ys, label=m, **_PLOT.get(m, {}))
         ax.set_title(f"{what}: id[i+1] == id[i] + 1", fontsize=10)
         ax.set_ylabel("fraction of adjacent logical blocks")
-        ax.set_ylim(-0.03, 1.05)
+        ax.set_ylim(-0.05, 1.08)
     base = modes.get("vanilla")
-    if base is not None:
-        wrap = first_wrap_round(base["rounds"], cfg["num_blocks"])
-        if wrap is not None:
-            for ax in axes[:2]:
-                ax.axvline(wrap, color="grey", ls=":", lw=1)
-            axes[0].annotate(
-                "vanilla reaches the last block id:\nlater allocations reuse freed blocks",
-                xy=(wrap, 0.5), xytext=(6, 0), textcoords="offset points", fontsize=8, color="dimgrey",
-                bbox={"fc": "white", "ec": "none", "alpha": 0.85},
-            )
+    wrap = None if base is None else first_wrap_round(base["rounds"], cfg["num_blocks"])
+    if wrap is not None:
+        for ax in axes[:2]:
+            ax.axvline(wrap, color="grey", ls=":", lw=1, label="_wrap")
     for m, r in modes.items():
-        st = _PLOT.get(m, {})
         axes[2].plot([x["round"] for x in r["rounds"]], [x["sched_cpu_s_per_step"] * 1e6 for x in r["rounds"]],
-                     "-", label=m, **st)
+                     label=m, **_PLOT.get(m, {}))
     axes[2].set_title("scheduler CPU per step (schedule + update_from_output)", fontsize=10)
     axes[2].set_ylabel("microseconds")
     axes[2].set_ylim(bottom=0)
@@ -343,12 +345,27 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
         ax.set_xlabel("round")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower left")
+    handles, _ = axes[0].get_legend_handles_labels()
+    labels = []
+    for m, r in modes.items():
+        c = cmp_.get(m, {})
+        if c.get("rounds_identical_to_vanilla") == len(r["rounds"]):
+            m += " (tables identical to vanilla)"
+        elif c.get("rounds_cache_equal_to_vanilla") == len(r["rounds"]):
+            m += " (hits/evictions/preemptions = vanilla)"
+        labels.append(m)
+    handles = handles[:len(labels)]
+    if wrap is not None:
+        from matplotlib.lines import Line2D
+
+        handles.append(Line2D([], [], color="grey", ls=":", lw=1))
+        labels.append(f"round {wrap}: vanilla reaches the last block id (later allocations reuse freed blocks)")
+    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8, frameon=False)
     fig.suptitle(
         f"kvpool replay, workload {wl['name']}: {cfg['num_blocks']} blocks x {cfg['block_size']} tokens, "
         f"vLLM {cfg.get('vllm_version')}, seed {cfg['seed']}",
         fontsize=11,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    rows = -(-len(labels) // min(3, len(labels))) if labels else 0
+    fig.tight_layout(rect=(0, 0.05 * rows + 0.02, 1, 1))
+    return fig
