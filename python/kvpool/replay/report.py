@@ -277,17 +277,17 @@ def verdict(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-#: Plot styles. Modes that often draw the same curve come in pairs (vanilla / kvpool:
-#: same allocation order; kvpool+reorder / kvpool+contiguous: both at 1.0): the first of
-#: each pair wide and pale underneath, the second thin, dashed, with its own marker, on
-#: top, so identical curves stay visible as two.
+#: Plot styles. Any two modes may draw the same curve (vanilla / kvpool: same allocation
+#: order; kvpool+reorder / kvpool+contiguous: both at 1.0; any pair in the CPU panel), so
+#: every mode has its own line style and marker and the widths fall strictly with the
+#: drawing order: whichever two coincide, the upper line is the thinner and both show.
 _PLOT = {
-    "vanilla": {"color": "tab:red", "lw": 6, "alpha": 0.4, "ls": "-", "marker": "o", "ms": 10, "zorder": 2},
-    "kvpool": {"color": "tab:orange", "lw": 1.5, "alpha": 1.0, "ls": "--", "marker": "x", "ms": 7, "zorder": 4},
-    "kvpool+reorder": {"color": "tab:green", "lw": 6, "alpha": 0.4, "ls": "-", "marker": "s", "ms": 10,
+    "kvpool+reorder": {"color": "tab:green", "lw": 8, "alpha": 0.35, "ls": "-", "marker": "s", "ms": 11,
                        "zorder": 1},
-    "kvpool+contiguous": {"color": "tab:blue", "lw": 1.5, "alpha": 1.0, "ls": ":", "marker": "^", "ms": 6,
+    "vanilla": {"color": "tab:red", "lw": 5, "alpha": 0.5, "ls": "-", "marker": "o", "ms": 8, "zorder": 2},
+    "kvpool+contiguous": {"color": "tab:blue", "lw": 2.5, "alpha": 0.9, "ls": ":", "marker": "^", "ms": 6,
                           "zorder": 3},
+    "kvpool": {"color": "tab:orange", "lw": 1.2, "alpha": 1.0, "ls": "--", "marker": "x", "ms": 6, "zorder": 4},
 }
 
 
