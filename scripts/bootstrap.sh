@@ -82,7 +82,7 @@ else
   # Each environment builds in its own folder, so environments can be rebuilt side by side.
   build_dir="build/{wheel_tag}"
   [ "$VENV" = ".venv" ] || build_dir="build/$(basename "$VENV")/{wheel_tag}"
-  step "building kvpool into $VENV (editable; C++ and Cython, about 1 minute the first time)"
+  step "building kvpool into $VENV (editable: C++ and Cython)"
   pip install -q --no-build-isolation --no-deps --config-settings=build-dir="$build_dir" -e .
 fi
 step "$("$VPY" -c 'import kvpool, kvpool._core, vllm; print("'"$VENV"' ready: vLLM", vllm.__version__, "kvpool", kvpool.__version__)')"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import os
 import subprocess
 import sys
@@ -202,3 +203,16 @@ def test_locality_plot_labels_do_not_overlap():
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+# -- set-up is never silent --------------------------------------------------------------
+def test_bootstrap_announces_every_install_step_with_a_line():
+    lines = [ln.strip() for ln in (REPO / "scripts" / "bootstrap.sh").read_text().splitlines()]
+    code = [ln for ln in lines if ln and not ln.startswith("#")]
+    installs = [i for i, ln in enumerate(code) if re.match(r"(pip|\"\$PY\" -m venv) ", ln)]
+    assert len(installs) >= 8
+    for i in installs:
+        assert code[i - 1].startswith("step "), f"no progress line before: {code[i]}"
+    proc = subprocess.run(["bash", "-c", f"source <(sed -n '/^started=/,/^step()/p' {REPO}/scripts/bootstrap.sh); "
+                           "step 'installing torch'"], capture_output=True, text=True)
+    assert re.fullmatch(r"bootstrap \[0:0\d\] installing torch\n", proc.stdout), proc.stdout + proc.stderr
