@@ -69,7 +69,17 @@ SMALL = ["--num-blocks", "800", "--block-size", "16", "--rounds", "2", "--prompt
          "--output-len", "40,160", "--no-progress"]
 
 
-def test_replay_writes_its_json_with_the_verdict_before_the_plot_can_fail(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def own_environ():
+    # The replay runs in this process here: vLLM's CPU platform adds its libraries to
+    # os.environ["LD_PRELOAD"], which later subprocesses (the C++ unit test) must not get.
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_replay_writes_its_json_with_the_verdict_before_the_plot_can_fail(tmp_path, monkeypatch, own_environ):
     pytest.importorskip("vllm")
 
     def broken_plot(rep, path):
