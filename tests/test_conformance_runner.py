@@ -545,6 +545,7 @@ def test_fails_differently():
     (["--jobs", "0"], "argument --jobs: expected an integer >= 1"),
     (["--timeout", "-5"], "argument --timeout: expected a number > 0"),
     (["--json", "/nonexistent-dir/r.json"], "argument --json: cannot write '/nonexistent-dir/r.json'"),
+    (["--sdist", "/nonexistent-dir/vllm-0.33.0.tar.gz"], "argument --sdist: no such file"),
 ])
 def test_cli_rejects_bad_flags_before_any_work(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

@@ -56,6 +56,14 @@ def check_writable(path: Path) -> Path:
     return path
 
 
+def existing_file(text: str) -> Path:
+    """An input file that exists (``--sdist``, ``--trace``)."""
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return path
+
+
 def output_file(text: str) -> Path:
     """An output file whose folder exists and is writable (``--json PATH``)."""
     path = Path(text).expanduser()

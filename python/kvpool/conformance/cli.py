@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--keep-workdir", action="store_true", help="keep the scratch directory")
     p.add_argument("--workdir", type=Path, help="scratch directory to use (kept); default: a new temp dir")
-    p.add_argument("--sdist", type=Path, help="use this vllm-X.tar.gz instead of fetching one")
+    p.add_argument("--sdist", type=cliargs.existing_file, help="use this vllm-X.tar.gz instead of fetching one")
     p.add_argument("--index-url", help="simple index to fetch the sdist from (default: pip's)")
     p.add_argument(
         "--timeout",
