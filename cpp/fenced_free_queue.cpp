@@ -6,10 +6,39 @@ void FencedFreeQueue::push(int64_t fence_seq, const int64_t* handles, size_t n, 
   if (joined && (entries_.empty() || entries_.back().fence_seq != fence_seq))
     throw std::invalid_argument("a joined part needs a last entry with the same fence");
   size_t begin = buffer_.size();
-  buffer_.insert(buffer_.end(), handles, handles + n);
-  entries_.push_back(Entry{fence_seq, begin, buffer_.size(), joined});
+  buffer_.insert(buffer_.end(), handles, handles + n);  // strong: unchanged on bad_alloc
+  try {
+    entries_.push_back(Entry{fence_seq, begin, buffer_.size(), joined});
+  } catch (...) {
+    buffer_.resize(begin);  // shrinking cannot throw
+    throw;
+  }
   num_blocks_ += n;
   if (!joined) ++num_heads_;
+  ++version_;
+}
+
+void FencedFreeQueue::push_parts(int64_t fence_seq, const int64_t* handles, const size_t* sizes,
+                                 size_t num_parts) {
+  const size_t entries_before = entries_.size(), buffer_before = buffer_.size();
+  const size_t blocks_before = num_blocks_, heads_before = num_heads_;
+  try {
+    size_t offset = 0;
+    bool joined = false;
+    for (size_t p = 0; p < num_parts; ++p) {
+      if (sizes[p] == 0) continue;
+      push(fence_seq, handles + offset, sizes[p], joined);
+      offset += sizes[p];
+      joined = true;
+    }
+  } catch (...) {
+    while (entries_.size() > entries_before) entries_.pop_back();  // cannot throw
+    buffer_.resize(buffer_before);
+    num_blocks_ = blocks_before;
+    num_heads_ = heads_before;
+    ++version_;
+    throw;
+  }
 }
 
 void FencedFreeQueue::pop_one() {
@@ -18,6 +47,7 @@ void FencedFreeQueue::pop_one() {
   head_offset_ = e.end;
   if (!e.joined) --num_heads_;
   entries_.pop_front();
+  ++version_;
   // What is left of a request whose first parts are gone is the head of its entry.
   if (!entries_.empty() && entries_.front().joined) {
     entries_.front().joined = false;
@@ -33,6 +63,11 @@ size_t FencedFreeQueue::ready_entries(int64_t processed_step_seq) const {
 
 size_t FencedFreeQueue::drain(int64_t processed_step_seq, std::vector<int64_t>& out,
                               std::vector<size_t>* entry_ends) {
+  // Room for every ready entry first: a bad_alloc must not strand drained handles.
+  size_t ready = ready_entries(processed_step_seq), count = 0;
+  for (size_t i = 0; i < ready; ++i) count += entries_[i].end - entries_[i].begin;
+  out.reserve(out.size() + count);
+  if (entry_ends) entry_ends->reserve(entry_ends->size() + ready);
   size_t drained = 0;
   while (!entries_.empty() && entries_.front().fence_seq <= processed_step_seq) {
     const Entry& e = entries_.front();
@@ -60,6 +95,7 @@ void FencedFreeQueue::discard_front(size_t k) {
 }
 
 void FencedFreeQueue::clear() {
+  ++version_;
   entries_.clear();
   buffer_.clear();
   head_offset_ = 0;

@@ -41,9 +41,15 @@ class FencedFreeQueue {
   void push(int64_t fence_seq, const int64_t* handles, size_t n, bool joined = false);
   // Number of leading entries whose fence is met, without removing them.
   size_t ready_entries(int64_t processed_step_seq) const;
+  // Queue one request's parts (one per KV cache group, sizes[p] handles each, empty
+  // parts skipped) as one entry: all of them or, on bad_alloc, none.
+  void push_parts(int64_t fence_seq, const int64_t* handles, const size_t* sizes, size_t num_parts);
+  // A counter that changes whenever an entry is added or removed: a caller that ran
+  // Python code can tell whether the queue changed meanwhile.
+  uint64_t version() const { return version_; }
   // Remove the leading ready entries; their handles, in queue order, are appended to
   // `out` and per-entry end offsets (into `out`) to `entry_ends`. Returns the number
-  // of entries drained.
+  // of entries drained. Strong: the output is reserved before anything is removed.
   size_t drain(int64_t processed_step_seq, std::vector<int64_t>& out,
                std::vector<size_t>* entry_ends = nullptr);
   // Remove the first entry regardless of its fence. Throws if empty.
@@ -65,6 +71,7 @@ class FencedFreeQueue {
   void pop_one();
 
   std::deque<Entry> entries_;
+  uint64_t version_ = 0;  // changes with every push and removal
   std::vector<int64_t> buffer_;
   size_t head_offset_ = 0;  // buffer_[0, head_offset_) is drained and reclaimable
   size_t num_blocks_ = 0;

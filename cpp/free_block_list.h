@@ -9,7 +9,9 @@
 //
 // Order is the eviction order: the front is allocated (or evicted) first. Every
 // operation validates its arguments before it changes anything, so a rejected call
-// leaves the list exactly as it was (no half-linked batch, no lost block).
+// leaves the list exactly as it was (no half-linked batch, no lost block). The same
+// holds for std::bad_alloc (the strong exception guarantee): an operation that
+// allocates does so before its first change.
 #pragma once
 
 #include <algorithm>
@@ -53,7 +55,18 @@ class FreeBlockList {
 
   // A list over `capacity` slots. With all_free, slots 0..capacity-1 are linked in
   // ascending order (vLLM's initial order); otherwise the list starts empty.
-  explicit FreeBlockList(int32_t capacity = 0, bool all_free = true);
+  explicit FreeBlockList(int32_t capacity, bool all_free = true);
+  // An unallocated list: it allocates nothing and cannot throw (Cython constructs
+  // members and temporaries this way, outside any try), and it must be reset()
+  // before any other call but capacity/size/empty.
+  FreeBlockList() noexcept = default;
+  // Become a new list of `capacity` slots (as the constructor). Strong guarantee:
+  // on bad_alloc the list is unchanged.
+  void reset(int32_t capacity, bool all_free = true) {
+    FreeBlockList fresh(capacity, all_free);
+    swap(fresh);
+  }
+  void swap(FreeBlockList& other) noexcept;
 
   int32_t capacity() const { return capacity_; }
   int32_t size() const { return size_; }
@@ -180,6 +193,24 @@ class FreeBlockList {
   void release(int32_t owner);
   void release_all();
   int32_t num_reserved_owners() const { return static_cast<int32_t>(extents_.size()); }
+  // Extents recorded for `owner`, and forgetting the ones after the first `keep` (the
+  // undo of a take() whose allocation failed later). Cannot throw.
+  int32_t num_extents(int32_t owner) const {
+    auto it = extents_.find(owner);
+    return it == extents_.end() ? 0 : static_cast<int32_t>(it->second.size());
+  }
+  void truncate_extents(int32_t owner, int32_t keep) noexcept {
+    auto it = extents_.find(owner);
+    if (it == extents_.end()) return;
+    auto& list = it->second;
+    while (static_cast<int32_t>(list.size()) > keep) {
+      const auto& extent = list.back();
+      reserved_.reset_range(extent.first, extent.first + extent.second);
+      std::fill(owner_of_.begin() + extent.first, owner_of_.begin() + extent.first + extent.second, 0);
+      list.pop_back();
+    }
+    if (list.empty()) extents_.erase(it);
+  }
   // kSegments / kContiguous: relink the uncached segment in ascending slot order; the
   // LRU segment keeps its order, behind it. O(capacity).
   void rebuild_uncached_canonical();
@@ -189,6 +220,17 @@ class FreeBlockList {
 
   // Add `extra` slots (not free) at the end of the slot range.
   void grow(int32_t extra);
+  // Undo grow(extra) of slots that were never made free (a caller's later step
+  // failed). Shrinks without allocating: cannot throw.
+  void ungrow(int32_t extra) noexcept {
+    if (extra <= 0 || extra > capacity_) return;
+    capacity_ -= extra;
+    prev_.resize(static_cast<size_t>(capacity_) + kFirst);
+    next_.resize(static_cast<size_t>(capacity_) + kFirst);
+    if (order_ != kVllmOrder) lru_.resize(static_cast<size_t>(capacity_));
+    if (order_ == kContiguous) owner_of_.resize(static_cast<size_t>(capacity_));
+    // The bitmaps keep their size: the dropped slots' bits are 0 and are never read.
+  }
   // Relink every free slot in ascending slot order, O(capacity). The set of free
   // slots is unchanged; only their order is.
   void rebuild_canonical();
@@ -232,7 +274,13 @@ class FreeBlockList {
     --size_;
     if (order_ == kContiguous) uncached_.reset(slot);
   }
+  // Record an extent of `owner`; extents_[owner] must have room for one more entry
+  // (take() makes it before it unlinks anything), so this cannot throw.
   void reserve(int32_t owner, int32_t start, int32_t len);
+  // The relinking half of rebuild_uncached_canonical: `order` holds the uncached free
+  // slots ascending (the first num_uncached) and then the LRU ones. Cannot throw.
+  void link_uncached_canonical(const std::vector<int32_t>& order, size_t num_uncached) noexcept;
+  std::vector<int32_t> uncached_canonical_order(size_t* num_uncached) const;
   // kContiguous: unlink the uncached slots [start, start + len), which are adjacent
   // nodes of the sorted uncached segment, in one splice; their slots go to out.
   void unlink_uncached_run(int32_t start, int32_t len, int32_t* out) {
@@ -425,15 +473,39 @@ inline void FreeBlockList::prepend_n(const int32_t* slots, int32_t n) {
 
 inline void FreeBlockList::grow(int32_t extra) {
   if (extra < 0) throw InvalidBlockState("cannot shrink the free list");
-  capacity_ += extra;
-  prev_.resize(static_cast<size_t>(capacity_) + kFirst, kNotFree);
-  next_.resize(static_cast<size_t>(capacity_) + kFirst, kNotFree);
-  if (order_ != kVllmOrder) lru_.resize(static_cast<size_t>(capacity_), 0);
+  if (extra > INT32_MAX - kFirst - capacity_) throw SlotOutOfRange("free list capacity overflow");
+  const int32_t capacity = capacity_ + extra;
+  const size_t nodes = static_cast<size_t>(capacity) + kFirst;
+  // Every allocation first (reserve; the bitmaps' resize is strong by itself and a
+  // bitmap longer than the list is harmless: its extra bits are 0), then the vector
+  // resizes, which cannot throw within the reserved capacity.
+  prev_.reserve(nodes);
+  next_.reserve(nodes);
+  if (order_ != kVllmOrder) lru_.reserve(static_cast<size_t>(capacity));
   if (order_ == kContiguous) {
-    uncached_.resize(capacity_);
-    reserved_.resize(capacity_);
-    owner_of_.resize(static_cast<size_t>(capacity_), 0);
+    owner_of_.reserve(static_cast<size_t>(capacity));
+    if (uncached_.capacity() < capacity) uncached_.resize(capacity);
+    if (reserved_.capacity() < capacity) reserved_.resize(capacity);
   }
+  prev_.resize(nodes, kNotFree);
+  next_.resize(nodes, kNotFree);
+  if (order_ != kVllmOrder) lru_.resize(static_cast<size_t>(capacity), 0);
+  if (order_ == kContiguous) owner_of_.resize(static_cast<size_t>(capacity), 0);
+  capacity_ = capacity;
+}
+
+inline void FreeBlockList::swap(FreeBlockList& other) noexcept {
+  std::swap(capacity_, other.capacity_);
+  std::swap(size_, other.size_);
+  std::swap(insertions_, other.insertions_);
+  prev_.swap(other.prev_);
+  next_.swap(other.next_);
+  std::swap(order_, other.order_);
+  lru_.swap(other.lru_);
+  uncached_.swap(other.uncached_);
+  reserved_.swap(other.reserved_);
+  owner_of_.swap(other.owner_of_);
+  extents_.swap(other.extents_);
 }
 
 inline void FreeBlockList::rebuild_canonical() {
@@ -545,28 +617,36 @@ inline void FreeBlockList::set_order(Order order) {
   if (order == order_) return;
   if (order != kVllmOrder && order != kSegments && order != kContiguous)
     throw InvalidBlockState("unknown free-list order " + std::to_string(order));
-  Order old = order_;
-  order_ = order;
-  if (order == kVllmOrder) {
-    lru_.clear();
-    uncached_ = SlotBitmap();
-    reserved_ = SlotBitmap();
-    owner_of_.clear();
-    extents_.clear();
-    return;
+  // Strong guarantee: build every new array first (each may throw bad_alloc), then
+  // switch with swaps and a relink that cannot throw.
+  std::vector<uint8_t> lru;
+  SlotBitmap uncached, reserved;
+  std::vector<int32_t> owner_of, order_slots;
+  size_t num_uncached = 0;
+  if (order != kVllmOrder) {
+    if (order_ == kVllmOrder) lru.assign(static_cast<size_t>(capacity_), 0);
+    else lru = lru_;
   }
-  if (old == kVllmOrder) lru_.assign(static_cast<size_t>(capacity_), 0);
   if (order == kContiguous) {
-    uncached_ = SlotBitmap(capacity_);
-    reserved_ = SlotBitmap(capacity_);
-    owner_of_.assign(static_cast<size_t>(capacity_), 0);
-    rebuild_uncached_canonical();
-  } else {
-    uncached_ = SlotBitmap();
-    reserved_ = SlotBitmap();
-    owner_of_.clear();
-    extents_.clear();
+    uncached = SlotBitmap(capacity_);
+    reserved = SlotBitmap(capacity_);
+    owner_of.assign(static_cast<size_t>(capacity_), 0);
+    lru.swap(lru_);  // uncached_canonical_order reads the new segments
+    try {
+      order_slots = uncached_canonical_order(&num_uncached);
+    } catch (...) {
+      lru.swap(lru_);
+      throw;
+    }
+    lru.swap(lru_);
   }
+  order_ = order;
+  lru_.swap(lru);
+  uncached_.swap(uncached);
+  reserved_.swap(reserved);
+  owner_of_.swap(owner_of);
+  extents_.clear();
+  if (order == kContiguous) link_uncached_canonical(order_slots, num_uncached);
 }
 
 inline void FreeBlockList::insert_uncached(const int32_t* slots, int32_t n) {
@@ -628,15 +708,15 @@ inline void FreeBlockList::reinsert_front(const int32_t* slots, int32_t n) {
     link_run_after(kHead, slots, n);  // segments as they were
     return;
   }
-  std::vector<int32_t> lru_run;
+  // No allocation: this is the undo path of a failed allocation.
+  for (int32_t i = 0; i < n; ++i)
+    if (!lru_[slots[i]]) insert_uncached(slots + i, 1);
+  int32_t last = lru_anchor();
   for (int32_t i = 0; i < n; ++i) {
-    if (lru_[slots[i]]) {
-      lru_run.push_back(slots[i]);
-    } else {
-      insert_uncached(slots + i, 1);
-    }
+    if (!lru_[slots[i]]) continue;
+    link_run_after(last, slots + i, 1);
+    last = slots[i] + kFirst;
   }
-  if (!lru_run.empty()) link_run_after(lru_anchor(), lru_run.data(), static_cast<int32_t>(lru_run.size()));
 }
 
 // Extents never overlap: take() reserves only slots outside every extent.
@@ -676,6 +756,25 @@ inline void FreeBlockList::take(int32_t n, int32_t hint, int32_t owner, int32_t 
   if (n > size_) {
     throw InvalidBlockState("cannot take " + std::to_string(n) + " blocks: only " +
                             std::to_string(size_) + " free");
+  }
+  // The one allocation (room for an extent record) before anything is unlinked, so a
+  // bad_alloc leaves the list as it was. A new owner's empty entry is dropped below
+  // if no extent is recorded for it.
+  std::vector<std::pair<int32_t, int32_t>>* owner_extents = nullptr;
+  bool new_owner = false;
+  if (owner > 0) {
+    auto found = extents_.find(owner);
+    if (found == extents_.end()) {
+      found = extents_.emplace(owner, std::vector<std::pair<int32_t, int32_t>>()).first;
+      new_owner = true;
+    }
+    owner_extents = &found->second;
+    try {
+      owner_extents->reserve(owner_extents->size() + 1);
+    } catch (...) {
+      if (new_owner) extents_.erase(found);
+      throw;
+    }
   }
   int32_t k = 0;
   auto usable = [&](int32_t s) {
@@ -725,17 +824,22 @@ inline void FreeBlockList::take(int32_t n, int32_t hint, int32_t owner, int32_t 
   }
   // 5. The LRU segment, from its front (now the list's front), as vLLM.
   while (k < n) out[k++] = popleft();
+  if (new_owner && owner_extents->empty()) extents_.erase(owner);
 }
 
-inline void FreeBlockList::rebuild_uncached_canonical() {
-  if (order_ == kVllmOrder) throw InvalidBlockState("the free list does not track its segments");
+inline std::vector<int32_t> FreeBlockList::uncached_canonical_order(size_t* num_uncached) const {
   std::vector<int32_t> order;
-  order.reserve(static_cast<size_t>(size_));
+  order.reserve(static_cast<size_t>(size_));  // the only allocation
   for (int32_t s = 0; s < capacity_; ++s)
     if (prev_[s + kFirst] >= 0 && !lru_[s]) order.push_back(s);
-  size_t num_uncached = order.size();
+  *num_uncached = order.size();
   for (int32_t node = next_[kHead]; node != kTail; node = next_[node])
     if (lru_[node - kFirst]) order.push_back(node - kFirst);
+  return order;
+}
+
+inline void FreeBlockList::link_uncached_canonical(const std::vector<int32_t>& order,
+                                                   size_t num_uncached) noexcept {
   next_[kHead] = kTail;
   prev_[kTail] = kHead;
   size_ = 0;
@@ -744,6 +848,13 @@ inline void FreeBlockList::rebuild_uncached_canonical() {
     uncached_.clear();
     for (size_t i = 0; i < num_uncached; ++i) uncached_.set(order[i]);
   }
+}
+
+inline void FreeBlockList::rebuild_uncached_canonical() {
+  if (order_ == kVllmOrder) throw InvalidBlockState("the free list does not track its segments");
+  size_t num_uncached = 0;
+  std::vector<int32_t> order = uncached_canonical_order(&num_uncached);
+  link_uncached_canonical(order, num_uncached);
 }
 
 inline void FreeBlockList::free_runs(int32_t* num_runs, int32_t* longest) const {

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace kvpool {
@@ -16,10 +17,22 @@ class SlotBitmap {
  public:
   explicit SlotBitmap(int32_t capacity = 0) { resize(capacity); }
 
+  // Strong exception guarantee: the only allocations come first, so a bad_alloc
+  // leaves the bitmap as it was.
   void resize(int32_t capacity) {
+    const size_t num_words = static_cast<size_t>(capacity + 63) / 64;
+    const size_t num_summary = (num_words + 63) / 64;
+    words_.reserve(num_words);
+    summary_.reserve(num_summary);
+    words_.resize(num_words, 0);  // within the reserved capacity: cannot throw
+    summary_.resize(num_summary, 0);
     capacity_ = capacity;
-    words_.resize(static_cast<size_t>(capacity + 63) / 64, 0);
-    summary_.resize((words_.size() + 63) / 64, 0);
+  }
+  void swap(SlotBitmap& other) noexcept {
+    words_.swap(other.words_);
+    summary_.swap(other.summary_);
+    std::swap(capacity_, other.capacity_);
+    std::swap(count_, other.count_);
   }
   void clear() {
     std::fill(words_.begin(), words_.end(), 0);

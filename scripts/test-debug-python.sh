@@ -58,7 +58,7 @@ py=.venv-dbg/bin/python
 if [ "$short" = 1 ]; then
   "$py" -m pytest -q -p no:cacheprovider -s tests/test_leak_check.py \
     tests/test_hot_paths.py tests/test_block_pool.py tests/test_free_block_queue.py tests/test_bad_input.py \
-    tests/test_policy_differential.py
+    tests/test_policy_differential.py tests/test_hostile.py tests/test_fault_injection.py
 else
   "$py" -m pytest -q -p no:cacheprovider -s tests/test_leak_check.py
   "$py" -m pytest -q -p no:cacheprovider tests --deselect tests/test_leak_check.py

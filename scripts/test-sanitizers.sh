@@ -53,12 +53,13 @@ if [ "$short" = 1 ]; then
   KVPOOL_DIFF_OPS=20000 KVPOOL_LEAK_OPS=20000 KVPOOL_POLICY_DIFF_OPS=20000 "$py" -m pytest -q -p no:cacheprovider -s \
     tests/test_long_differential.py tests/test_leak_check.py tests/test_policy_differential.py \
     tests/test_hot_paths.py tests/test_block_pool.py tests/test_free_block_queue.py \
-    tests/test_bad_input.py tests/test_deferred_free.py
+    tests/test_bad_input.py tests/test_deferred_free.py tests/test_hostile.py tests/test_fault_injection.py
 else
   KVPOOL_DIFF_OPS=100000 KVPOOL_LEAK_OPS=100000 KVPOOL_POLICY_DIFF_OPS=100000 "$py" -m pytest -q -p no:cacheprovider -s \
-    tests/test_long_differential.py tests/test_leak_check.py tests/test_policy_differential.py
+    tests/test_long_differential.py tests/test_leak_check.py tests/test_policy_differential.py \
+    tests/test_fault_injection.py
   "$py" -m pytest -q -p no:cacheprovider tests \
     --deselect tests/test_long_differential.py --deselect tests/test_leak_check.py \
-    --deselect tests/test_policy_differential.py
+    --deselect tests/test_policy_differential.py --deselect tests/test_fault_injection.py
 fi
 echo "sanitizers: no ASan/UBSan report (a report aborts the run)"

@@ -162,11 +162,18 @@ def test_info_names_an_invalid_setting_and_exits_2():
     assert re.search(r"KVPOOL_REORDER_ON_RESET +INVALID 'yes please': .*accepted: on: 1, true", proc.stdout)
 
 
-def test_envs_imports_nothing_from_kvpool():
-    tree = ast.parse((PACKAGE / "envs.py").read_text())
+def _kvpool_imports(name: str) -> list[str]:
+    tree = ast.parse((PACKAGE / name).read_text())
     imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    assert not [m for m in imported if m.split(".")[0] == "kvpool"], imported
+    return [m for m in imported if m.split(".")[0] == "kvpool"]
+
+
+def test_envs_is_the_bottom_layer():
+    # Only the exception base, which itself imports nothing from kvpool.
+    assert _kvpool_imports("envs.py") == ["kvpool.errors"]
+    assert _kvpool_imports("errors.py") == []
+    assert issubclass(envs.InvalidSettingError, kvpool.KvpoolError)
 
 
 def test_no_module_but_envs_names_a_kvpool_variable_in_code():
@@ -185,7 +192,7 @@ def test_no_module_but_envs_names_a_kvpool_variable_in_code():
 def test_envs_names_every_kvpool_variable_of_the_project():
     known = set(envs.VARIABLES) | set(envs.SCRIPT_VARIABLES)
     found: dict[str, str] = {}
-    files = [*PACKAGE.rglob("*.py"), *(ROOT / "scripts").glob("*.sh"), *(ROOT / "tests").glob("*.py"),
+    files = [*PACKAGE.rglob("*.py"), *(ROOT / "scripts").glob("*.sh"), *(ROOT / "tests").rglob("*.py"),
              *(ROOT / "docs").glob("*.md"), ROOT / "README.md", *(ROOT / ".ci").rglob("*")]
     for path in files:
         if not path.is_file():

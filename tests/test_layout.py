@@ -20,3 +20,23 @@ def test_every_pxi_is_included_once_and_in_the_design_file_map():
     assert sorted(mapped) == on_disk
     for name in ("_core.pyx", "_core.pxd", "kvpool_cpp.pxd", "fastint.h"):
         assert (SRC / name).exists() and f"| `{name}` |" in design
+
+
+def test_no_comprehension_in_the_extension():
+    # Cython 3.3's list comprehensions steal the item reference and, when the list
+    # cannot grow (MemoryError), release it twice: a block still in the pool's table
+    # freed (docs/native-checks.md, "Cython's list comprehensions"). The extension
+    # builds its lists by hand instead; this keeps it so.
+    import re
+
+    src = Path(__file__).parent.parent / "src" / "kvpool"
+    pattern = re.compile(r"[\[{][^\[\]{}#\n]*\bfor\b[^\[\]{}#\n]*\bin\b[^\[\]{}#\n]*[\]}]")
+    found = []
+    for path in sorted(src.glob("*.p[yx][xi]")):
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if '"""' in line or code.strip().startswith(("'", '"')):
+                continue
+            if pattern.search(code):
+                found.append(f"{path.name}:{lineno}: {line.strip()}")
+    assert not found, "comprehensions in the extension:\n" + "\n".join(found)

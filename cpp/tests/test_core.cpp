@@ -4,7 +4,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <new>
 #include <random>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "fenced_free_queue.h"
@@ -30,6 +33,152 @@ static bool throws(F f) {
     return true;
   }
   return false;
+}
+
+// Fault injection: operator new of this binary fails the k-th allocation after
+// arm(k), once (the strong exception guarantee tests below).
+static long g_countdown = -1;
+static bool g_failed = false;
+static void arm(long k) {
+  g_countdown = k;
+  g_failed = false;
+}
+static bool disarm() {
+  g_countdown = -1;
+  return g_failed;
+}
+void* operator new(std::size_t n) {
+  if (g_countdown >= 0 && g_countdown-- == 0) {
+    g_countdown = -1;
+    g_failed = true;
+    throw std::bad_alloc();
+  }
+  void* p = std::malloc(n ? n : 1);
+  if (!p) throw std::bad_alloc();
+  return p;
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
+using ListState = std::tuple<std::vector<int32_t>, int32_t, int32_t, int, int32_t, int32_t>;
+static ListState state_of(const FreeBlockList& l) {
+  return ListState(l.to_vector(), l.size(), l.capacity(), static_cast<int>(l.order()),
+                   l.num_reserved_owners(), l.uncached().count());
+}
+
+// For every k: the k-th allocation inside `op` fails; the list must be as before.
+// Returns the number of allocation points (an op that allocates nothing has 0).
+template <typename Make, typename Op>
+static int sweep_list(Make make, Op op) {
+  for (long k = 0; k < 10000; ++k) {
+    FreeBlockList l = make();
+    ListState before = state_of(l);
+    arm(k);
+    bool threw = false;
+    try {
+      op(l);
+    } catch (const std::bad_alloc&) {
+      threw = true;
+    }
+    bool hit = disarm();
+    if (!hit) {
+      CHECK(!threw);
+      l.check_invariants();
+      return static_cast<int>(k);
+    }
+    CHECK(threw);
+    CHECK(state_of(l) == before);
+    l.check_invariants();
+  }
+  CHECK(false);
+  return -1;
+}
+
+// A used list: some slots taken, some given back at the front, some at the tail.
+static FreeBlockList used_list(FreeBlockList::Order order) {
+  FreeBlockList l(64, true);
+  if (order != FreeBlockList::kVllmOrder) l.set_order(order);
+  int32_t taken[20];
+  l.popleft_n(20, taken);
+  l.prepend_n(taken + 10, 4);  // 10..13 back uncached
+  l.append_n(taken + 2, 5);    // 2..6 back at the LRU tail
+  return l;
+}
+
+static void test_strong_guarantee_on_bad_alloc() {
+  static_assert(std::is_nothrow_default_constructible<FreeBlockList>::value,
+                "Cython builds the member in tp_new outside any try");
+  FreeBlockList unallocated;
+  CHECK(unallocated.size() == 0 && unallocated.capacity() == 0 && unallocated.empty());
+  int points = 0;
+  points += sweep_list([] { return used_list(FreeBlockList::kVllmOrder); },
+                       [](FreeBlockList& l) { l.set_order(FreeBlockList::kContiguous); });
+  points += sweep_list([] { return used_list(FreeBlockList::kSegments); },
+                       [](FreeBlockList& l) { l.set_order(FreeBlockList::kContiguous); });
+  points += sweep_list([] { return used_list(FreeBlockList::kVllmOrder); },
+                       [](FreeBlockList& l) { l.set_order(FreeBlockList::kSegments); });
+  points += sweep_list([] { return used_list(FreeBlockList::kContiguous); },
+                       [](FreeBlockList& l) { l.rebuild_uncached_canonical(); });
+  points += sweep_list([] { return used_list(FreeBlockList::kContiguous); },
+                       [](FreeBlockList& l) { l.grow(5); });
+  points += sweep_list([] { return used_list(FreeBlockList::kVllmOrder); },
+                       [](FreeBlockList& l) { l.reset(128, true); });
+  // take(): the continuation 10..13, then a new extent for owner 9 (its record is the
+  // allocation); a second take for the same owner needs room for a second record.
+  points += sweep_list([] { return used_list(FreeBlockList::kContiguous); }, [](FreeBlockList& l) {
+    int32_t out[12];
+    l.take(12, 10, 9, 16, out);
+  });
+  points += sweep_list([] {
+    FreeBlockList l = used_list(FreeBlockList::kContiguous);
+    int32_t out[3];
+    l.take(3, -1, 9, 3, out);
+    return l;
+  }, [](FreeBlockList& l) {
+    int32_t out[12];
+    l.take(12, 60, 9, 16, out);
+  });
+  CHECK(points >= 8);  // every operation above allocates at least once
+
+  // The fenced queue: push_parts is all or nothing, drain reserves its output first.
+  for (long k = 0; k < 1000; ++k) {
+    FencedFreeQueue q;
+    int64_t h[6] = {1, 2, 3, 4, 5, 6};
+    q.push(1, h, 2, false);
+    size_t sizes[3] = {3, 0, 1};
+    arm(k);
+    bool threw = false;
+    try {
+      q.push_parts(2, h + 2, sizes, 3);
+    } catch (const std::bad_alloc&) {
+      threw = true;
+    }
+    if (!disarm()) {
+      CHECK(q.num_entries() == 3 && q.num_heads() == 2 && q.num_blocks() == 6);
+      break;
+    }
+    CHECK(threw && q.num_entries() == 1 && q.num_heads() == 1 && q.num_blocks() == 2);
+  }
+  for (long k = 0; k < 1000; ++k) {
+    FencedFreeQueue q;
+    int64_t h[4] = {1, 2, 3, 4};
+    q.push(1, h, 2, false);
+    q.push(2, h + 2, 2, false);
+    std::vector<int64_t> out;
+    std::vector<size_t> ends;
+    arm(k);
+    bool threw = false;
+    try {
+      q.drain(5, out, &ends);
+    } catch (const std::bad_alloc&) {
+      threw = true;
+    }
+    if (!disarm()) {
+      CHECK(q.empty() && out == std::vector<int64_t>({1, 2, 3, 4}));
+      break;
+    }
+    CHECK(threw && q.num_entries() == 2 && out.empty());
+  }
 }
 
 static void test_initial_order_and_pops() {
@@ -310,6 +459,7 @@ int main() {
   test_contiguous_order_keeps_vllm_lru_segment();
   test_contiguous_take_extents_and_reinsert();
   test_slot_bitmap_ranges();
+  test_strong_guarantee_on_bad_alloc();
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;

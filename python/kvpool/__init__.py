@@ -20,6 +20,8 @@ __all__ = [
     "FreeKVCacheBlockQueue",
     "InvalidSettingError",
     "KVCacheBlock",
+    "KvpoolError",
+    "NotAKvpoolPoolError",
     "UnsupportedVLLMVersionError",
     "__version__",
     "install",
@@ -71,6 +73,14 @@ def __getattr__(name: str):
         from kvpool.block_pool import BlockPool
 
         return BlockPool
+    if name == "KvpoolError":
+        from kvpool.errors import KvpoolError
+
+        return KvpoolError
+    if name == "NotAKvpoolPoolError":
+        from kvpool.block_pool import NotAKvpoolPoolError
+
+        return NotAKvpoolPoolError
     if name == "InvalidSettingError":
         from kvpool.envs import InvalidSettingError
 

@@ -96,7 +96,7 @@ def _extending_table(method):
     @functools.wraps(method)
     def wrapper(self, request_id, *args, **kwargs):
         pool = self.block_pool
-        if getattr(pool, "_table_context", _NO_POOL) is _NO_POOL:  # not kvpool's pool
+        if not getattr(pool, "_kvpool_init", False):  # not a pool kvpool built
             return method(self, request_id, *args, **kwargs)
         outer = pool._table_context
         pool._table_context = (self, request_id)
@@ -116,9 +116,9 @@ def _releasing_extent(method):
     @functools.wraps(method)
     def wrapper(self, request_id, *args, **kwargs):
         blocks = method(self, request_id, *args, **kwargs)
-        end = getattr(self.block_pool, "_end_table", None)
-        if end is not None:
-            end(self, request_id)
+        pool = self.block_pool
+        if getattr(pool, "_kvpool_init", False):  # _end_table checks the queue
+            pool._end_table(self, request_id)
         return blocks
 
     wrapper.__kvpool_wrapped__ = method
@@ -140,7 +140,6 @@ def _recording_expected_tokens(method):
     return wrapper
 
 
-_NO_POOL = object()
 _ALLOCATING = ("allocate_new_blocks", "allocate_external_computed_blocks")
 
 

@@ -10,6 +10,13 @@ Fast paths skip only work that is provably not needed: with a metrics collector 
 reuse watchers registered, ``get_new_blocks`` and ``touch`` run vLLM's loop (over
 kvpool's queue) so every callback fires exactly as in vLLM; so does
 ``get_new_blocks`` of a subclass that overrides ``_maybe_evict_cached_block``.
+
+A subclass that does not run ``BlockPool.__init__`` (kvcached's elastic pool builds
+its own free structures) or that replaces ``free_block_queue`` with another kind of
+queue runs vLLM's own methods unchanged; kvpool's additions on it
+(:meth:`BlockPool.reset_free_block_queue_order`, :meth:`BlockPool.fragmentation_stats`,
+``reset_prefix_cache(reorder_free_queue=True)``) raise :class:`NotAKvpoolPoolError`
+(a ``TypeError``) naming the subclass.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared
 from vllm.v1.core import block_pool as _vllm_block_pool
 
 from kvpool import allocation, envs
+from kvpool.errors import KvpoolError
 from kvpool._core import (
     BlockTable,
     FreeKVCacheBlockQueue,
@@ -97,6 +105,12 @@ class BlockHashToBlockMap(VllmBlockHashToBlockMap):
         return None
 
 
+class NotAKvpoolPoolError(KvpoolError, TypeError):
+    """A kvpool addition called on a pool that kvpool did not build: a ``BlockPool``
+    subclass that skipped ``BlockPool.__init__`` or replaced its ``free_block_queue``
+    with another kind of queue (vLLM's own methods still work on it)."""
+
+
 class BlockPool(VllmBlockPool):
     """Drop-in for ``vllm.v1.core.block_pool.BlockPool`` (vLLM 0.33.0).
 
@@ -116,6 +130,26 @@ class BlockPool(VllmBlockPool):
     Raises:
         ValueError: ``num_gpu_blocks`` is not a positive int.
     """
+
+    #: Set by ``BlockPool.__init__``; a subclass that skips it keeps this False and
+    #: runs vLLM's methods (so does a pool whose ``free_block_queue`` was replaced by
+    #: another kind of queue: each method checks the queue's type too).
+    _kvpool_init = False
+
+    @property
+    def _kvpool_native(self) -> bool:
+        """True when kvpool's code runs this pool: built by ``BlockPool.__init__`` and
+        its ``free_block_queue`` a kvpool queue."""
+        return self._kvpool_init and type(self.free_block_queue) is FreeKVCacheBlockQueue
+
+    def _require_native(self, what: str) -> None:
+        if not (self._kvpool_init and type(self.free_block_queue) is FreeKVCacheBlockQueue):
+            raise NotAKvpoolPoolError(
+                f"{what} is a kvpool addition and needs a pool that kvpool.BlockPool.__init__ "
+                f"built with its kvpool free queue; {type(self).__qualname__} "
+                + ("did not run BlockPool.__init__" if not self._kvpool_init
+                   else f"replaced free_block_queue with a {type(self.free_block_queue).__qualname__}")
+                + " (vLLM's own BlockPool methods still work on it)")
 
     def __init__(
         self,
@@ -165,6 +199,7 @@ class BlockPool(VllmBlockPool):
         self.kv_event_queue = []
         self.metrics_collector = metrics_collector
         self._reuse_watchers = {}
+        self._kvpool_init = True
 
     # -- hot paths ---------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -177,6 +212,8 @@ class BlockPool(VllmBlockPool):
             ValueError: more blocks than are free ("Cannot get N free blocks from the
                 pool") or ``num_blocks < 0``.
         """
+        if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
+            return VllmBlockPool.get_new_blocks(self, num_blocks)
         context = self._table_context
         if context is not None:
             return self._extend_table(num_blocks, *context)
@@ -266,6 +303,8 @@ class BlockPool(VllmBlockPool):
 
     def _end_table(self, manager, request_id: str) -> None:
         # The request's table in `manager` is gone: release its reserved extent.
+        if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
+            return
         owner = self._table_owners.pop((id(manager), request_id), None)
         if owner is not None:
             self.free_block_queue.release_extent(owner)
@@ -293,6 +332,8 @@ class BlockPool(VllmBlockPool):
         Raises:
             BlockStateError: double free or a block of another pool (nothing freed).
         """
+        if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
+            return VllmBlockPool.free_blocks(self, ordered_blocks)
         others = pool_free_blocks(self, self.free_block_queue, ordered_blocks, self.enable_caching)
         if others:
             for pool, blocks in others.items():
@@ -303,6 +344,8 @@ class BlockPool(VllmBlockPool):
     def touch(self, blocks) -> None:
         """``ref_cnt += 1`` for each block (prefix-cache hit), taking eviction
         candidates out of the free queue. Mirrors ``BlockPool.touch``."""
+        if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
+            return VllmBlockPool.touch(self, blocks)
         if self.metrics_collector is not None:
             VllmBlockPool.touch(self, blocks)
         else:
@@ -313,6 +356,8 @@ class BlockPool(VllmBlockPool):
     def unpin_blocks(self, blocks, on_reuse) -> None:
         """Release references to blocks that stay readable until reused. Mirrors
         ``BlockPool.unpin_blocks``."""
+        if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
+            return VllmBlockPool.unpin_blocks(self, blocks, on_reuse)
         pool_unpin_blocks(self.free_block_queue, blocks, self._reuse_watchers, on_reuse)
         if self.allocation == "contiguous":
             self._absorb_unhashed()
@@ -327,6 +372,8 @@ class BlockPool(VllmBlockPool):
             BlockIdOutOfRangeError: an id outside ``[0, num_gpu_blocks)``; nothing is
                 evicted.
         """
+        if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
+            return VllmBlockPool.evict_blocks(self, block_ids)
         every_block = self.metrics_collector is not None
         for block in pool_blocks_to_evict(
             self.blocks, block_ids, self.cached_block_hashes_by_block, every_block
@@ -352,7 +399,15 @@ class BlockPool(VllmBlockPool):
 
         Returns:
             True if the prefix cache was reset.
+        Raises:
+            NotAKvpoolPoolError: ``reorder_free_queue=True`` on a pool kvpool did not
+                build (see the module docstring); ``KVPOOL_REORDER_ON_RESET=1`` does not
+                apply to such a pool.
         """
+        if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
+            if reorder_free_queue:
+                self._require_native("reset_prefix_cache(reorder_free_queue=True)")
+            return VllmBlockPool.reset_prefix_cache(self)
         num_used_blocks = self.num_gpu_blocks - self.get_num_free_blocks()
         if num_used_blocks != 1:  # The null block is always marked as used
             logger.warning(
@@ -397,7 +452,10 @@ class BlockPool(VllmBlockPool):
             (with the contiguous policy: the k lowest uncached blocks).
             False, with a warning, while any block other than the null block is in
             use; nothing changes then.
+        Raises:
+            NotAKvpoolPoolError: a pool kvpool did not build (see the module docstring).
         """
+        self._require_native("reset_free_block_queue_order()")
         num_used_blocks = self.num_gpu_blocks - self.get_num_free_blocks()
         if num_used_blocks != 1:  # the null block is always in use
             logger.warning(
@@ -430,7 +488,10 @@ class BlockPool(VllmBlockPool):
             without pairs), ``descending_fraction`` (previous - 1), and
             ``mean_run_length`` (blocks per ascending run started in the window).
             O(num_gpu_blocks).
+        Raises:
+            NotAKvpoolPoolError: a pool kvpool did not build (see the module docstring).
         """
+        self._require_native("fragmentation_stats()")
         runs, longest = self.free_block_queue.free_runs()
         blocks, pairs, ascending, descending = self._table_counters
         started = blocks - ascending
@@ -447,4 +508,4 @@ class BlockPool(VllmBlockPool):
         }
 
 
-__all__ = ["BlockHashToBlockMap", "BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock"]
+__all__ = ["BlockHashToBlockMap", "BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock", "NotAKvpoolPoolError"]

@@ -1,8 +1,8 @@
 """Every ``KVPOOL_*`` environment variable kvpool reads, and the one rule that parses it.
 
-The bottom layer of the package: it imports nothing from kvpool (``vllm_compat``,
-``patching``, the plugin and the CLIs read their settings through it), so any layer
-can use it.
+The bottom layer of the package: it imports nothing from kvpool but the exception base
+(:mod:`kvpool.errors`, which imports nothing), and ``vllm_compat``, ``patching``, the
+plugin and the CLIs read their settings through it, so any layer can use it.
 
 One parsing rule for every variable of a kind:
 
@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.errors import KvpoolError
+
 #: Values that turn a switch on / off (compared after ``strip().lower()``).
 TRUE_VALUES: tuple[str, ...] = ("1", "true", "yes", "on")
 FALSE_VALUES: tuple[str, ...] = ("0", "false", "no", "off", "")
@@ -52,7 +54,7 @@ VENV = "KVPOOL_VENV"
 ALLOCATION_POLICIES: tuple[str, ...] = ("vllm", "contiguous")
 
 
-class InvalidSettingError(ValueError):
+class InvalidSettingError(KvpoolError, ValueError):
     """A ``KVPOOL_*`` variable (or the ``install()`` argument it stands for) has a value
     kvpool does not accept. The message names the variable, the value and the accepted
     values.
@@ -178,6 +180,7 @@ SCRIPT_VARIABLES: dict[str, str] = {
     "KVPOOL_POLICY_DIFF_OPS": "tests: operations of the policy differential (default 20000)",
     "KVPOOL_LEAK_OPS": "tests: operations of the leak check (default 100000)",
     "KVPOOL_LEAK_SEED": "tests: seed of the leak check",
+    "KVPOOL_FAILMALLOC": "tests: path of the failing-allocation shim the fault sweep loads",
 }
 
 

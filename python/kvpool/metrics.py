@@ -102,12 +102,14 @@ def pool_snapshot(scheduler, now: float | None = None) -> dict[str, float] | Non
 
     Returns:
         The stats (a new ``table_*`` window starts), or ``None`` when the pool has no
-        ``fragmentation_stats`` (vLLM's own pool) or the interval has not elapsed.
+        ``fragmentation_stats`` (vLLM's own pool), is a ``BlockPool`` subclass that
+        skipped kvpool's ``__init__`` (``NotAKvpoolPoolError``), or the interval has not
+        elapsed.
     """
     pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
     read = getattr(pool, "fragmentation_stats", None)
-    if read is None:
-        return None
+    if read is None or not getattr(pool, "_kvpool_native", True):
+        return None  # vLLM's pool, or a subclass kvpool did not build (runs vLLM's code)
     now = time.monotonic() if now is None else now
     due = scheduler.__dict__.get("_kvpool_metrics_due", 0.0)
     if now < due:

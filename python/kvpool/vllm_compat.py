@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from kvpool import envs
+from kvpool.errors import KvpoolError
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ MODULES_BINDING_BLOCK_CLASSES: tuple[str, ...] = (
 )
 
 
-class UnsupportedVLLMVersionError(RuntimeError):
+class UnsupportedVLLMVersionError(KvpoolError, RuntimeError):
     """The installed vLLM is not one kvpool has been validated against."""
 
 

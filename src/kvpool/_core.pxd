@@ -63,5 +63,6 @@ cdef class FreeKVCacheBlockQueue:
     cdef inline object _block_at(self, int32_t slot)
     cdef object _materialize(self, int32_t slot)
     cdef list _pop_front(self, int32_t n)
+    cdef list _blocks_at(self, const vector[int32_t]& slots)
     cdef int _collect_slots(self, object blocks, vector[int32_t]& slots, str op) except -1
     cdef _insert(self, blocks, bint front)

@@ -46,6 +46,14 @@ cdef extern from "Python.h":
         PyObject* tp_dict
     object PyDescr_NewMember(_TypeObject* tp, PyMemberDef* member)
     void PyType_Modified(_TypeObject* tp)
+    # The garbage collector's protocol, for the queue's own tp_traverse.
+    ctypedef int (*visitproc)(PyObject* o, void* arg)
+    ctypedef int (*traverseproc)(PyObject* o, visitproc visit, void* arg)
+    ctypedef struct _GCTypeObject "PyTypeObject":
+        traverseproc tp_traverse
+    void PyObject_GC_UnTrack(void* op)
+    bint _PyList_CheckExact "PyList_CheckExact"(PyObject* o)
+    Py_ssize_t _Py_SIZE "Py_SIZE"(PyObject* o)
 
 cdef extern from "structmember.h":
     int T_OBJECT_EX

@@ -35,6 +35,7 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     cdef PyObject* none = kvpool_none()
     cdef bint has_extra = bool(cached_block_hashes_by_block)
     cdef vector[int32_t] popped
+    cdef vector[int32_t] left  # the rollback's record, allocated before any change
     cdef vector[PyObject*] taken  # owned references to the blocks of this call
     cdef kvpool_refbatch rb
     cdef Py_ssize_t n01 = 0
@@ -44,6 +45,7 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     cdef int32_t node, slot
     cdef long refs
     cdef uint64_t insertions
+    cdef int32_t extents_before = 0
     if n < 0:
         raise ValueError(f"cannot get a negative number of blocks ({n})")
     if n > queue._list.size() + queue._count_offset:
@@ -51,8 +53,10 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     if n > queue._list.size():
         raise ValueError(f"Cannot get {n} free blocks from the pool "
                          f"(only {queue._list.size()} are really free)")
+    # Every allocation of the call before its first change (strong on MemoryError).
     popped.resize(n)
     taken.resize(n)
+    left.reserve(n)
     kvpool_refbatch_init(&rb)
     table = kvpool_list_items(<PyObject*>queue._blocks)
     # The common case first: walk the front of the free list while taking the blocks
@@ -64,6 +68,7 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     if queue._list.order() == ORDER_CONTIGUOUS:
         # The policy chooses the blocks and unlinks them at once; then the same
         # common case as below, over the chosen blocks.
+        extents_before = queue._list.num_extents(owner) if owner > 0 else 0
         queue._list.take(<int32_t>n, hint, owner, want, popped.data())
         while i < n:
             o = table[popped[i]]
@@ -139,8 +144,8 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
         # between (a callback, a finalizer) may have freed some of them, or freed and
         # taken them again: if anything was put into the free list meanwhile, a block
         # this call set to ref_cnt 1 may be someone else's now, and is left as it is.
+        # No allocation on this path: `left` has room for every slot.
         queue_changed = queue._list.insertions() != insertions
-        left = []
         for j in range(n):
             slot = popped[j]
             if queue._list.contains(slot):
@@ -148,28 +153,33 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
             if j < nset:  # this call set ref_cnt 1
                 o = taken[j]
                 if not _read_refs(o, &refs) or refs != 1 or queue_changed:
-                    left.append(slot)
+                    left.push_back(slot)
                     continue
                 _put_refs(o, 0, &rb)
             else:
                 o = taken[j] if j < i else kvpool_list_items(<PyObject*>queue._blocks)[slot]
                 if o != none and _read_refs(o, &refs) and refs != 0:
-                    left.append(slot)  # not set by this call, but held now
+                    left.push_back(slot)  # not set by this call, but held now
                     continue
             popped[nback] = slot
             nback += 1
         if nback:
             queue._list.reinsert_front(popped.data(), <int32_t>nback)
+        if owner > 0 and queue._list.order() == ORDER_CONTIGUOUS:
+            queue._list.truncate_extents(owner, extents_before)  # the extent this call reserved
         for j in range(i):
             Py_DECREF_ptr(taken[j])
         _flush(&rb)
-        if left:
+        if left.size():
             exc = sys.exc_info()[1]
             if hasattr(exc, "add_note"):
-                exc.add_note(
-                    f"kvpool: get_new_blocks() left blocks in slots {left} as the Python "
-                    "code that ran during the call left them (freed and possibly taken "
-                    "again); the other popped blocks were put back")
+                try:
+                    exc.add_note(
+                        f"kvpool: get_new_blocks() left blocks in slots {list(left)} as the "
+                        "Python code that ran during the call left them (freed and possibly "
+                        "taken again); the other popped blocks were put back")
+                except MemoryError:
+                    pass  # the note is a courtesy; the original error is what counts
         raise
     for j in range(n):
         kvpool_list_items(<PyObject*>ret)[j] = taken[j]  # the list takes the reference

@@ -1,5 +1,6 @@
 # Included by _core.pyx: the table statistics of the allocation policies (fragmentation_stats).
 
+@cython.boundscheck(True)
 def count_table_pairs(object prev_last, list blocks, object counters):
     """Add the adjacent block pairs that ``blocks`` appends to a block table to
     ``counters`` (a ``list[int]`` of 4: blocks, pairs, ascending pairs, descending
@@ -11,7 +12,7 @@ def count_table_pairs(object prev_last, list blocks, object counters):
         TypeError: an item is not a kvpool ``KVCacheBlock`` or a ``block_id`` is not
             an int, or ``counters`` is not a list of 4 ints.
     """
-    cdef Py_ssize_t n = PyList_GET_SIZE(blocks), i
+    cdef Py_ssize_t n, i
     cdef long prev, cur, pairs = 0, asc = 0, desc = 0
     cdef bint have_prev = prev_last is not None
     cdef PyObject* o
@@ -20,7 +21,9 @@ def count_table_pairs(object prev_last, list blocks, object counters):
     if type(counters) is not list or len(counters) != 4:
         raise TypeError("counters must be a list of 4 ints")
     if have_prev:
-        prev = prev_last
+        prev = prev_last  # may run prev_last's __int__/__index__: before `blocks` is read
+    # From here on no Python code runs until the counters are updated.
+    n = PyList_GET_SIZE(blocks)
     for i in range(n):
         o = PyList_GET_ITEM(blocks, i)
         if <void*>Py_TYPE(<object>o) != <void*>KVCacheBlock:
@@ -46,6 +49,7 @@ def count_table_pairs(object prev_last, list blocks, object counters):
     counters[3] += desc
 
 
+@cython.boundscheck(True)
 cdef int _count_slot_pairs(const int32_t* slots, Py_ssize_t n, long prev, object counters) except -1:
     # count_table_pairs over a pool's slots (slot == block_id), without visiting the
     # block objects: what pool_get_new_blocks does with the slots it took.

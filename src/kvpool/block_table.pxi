@@ -27,8 +27,15 @@ cdef class BlockTable:
         return self._queue._block_at(<int32_t>i)
 
     def __getitem__(self, index):
+        cdef Py_ssize_t start, stop, step, i
+        cdef vector[int32_t] slots
         if isinstance(index, slice):
-            return [self._get(i) for i in range(*index.indices(len(self)))]
+            # A new list built last (no list comprehension: docs/native-checks.md).
+            # slice.indices runs the slice's __index__ before any block is read.
+            start, stop, step = index.indices(PyList_GET_SIZE(self._queue._blocks))
+            for i in range(start, stop, step):
+                slots.push_back(<int32_t>i)
+            return self._queue._blocks_at(slots)
         return self._get(index)
 
     def __iter__(self):
@@ -61,7 +68,14 @@ cdef class BlockTable:
     def materialized(self):
         """The block objects created so far (``list[KVCacheBlock]``, id order).
         Blocks not created yet are free, unhashed and have ``ref_cnt == 0``."""
-        return [b for b in self._queue._blocks if b is not None]
+        cdef list out = []
+        cdef Py_ssize_t i
+        cdef PyObject* o
+        for i in range(PyList_GET_SIZE(self._queue._blocks)):
+            o = PyList_GET_ITEM(self._queue._blocks, i)
+            if <object>o is not None:
+                out.append(<object>o)
+        return out
 
     def __eq__(self, other):
         if isinstance(other, (list, tuple, BlockTable)):

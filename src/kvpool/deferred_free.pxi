@@ -135,11 +135,19 @@ cdef class FencedDeferredFreeQueue:
     cdef void _maybe_reset_tables(self):
         # Fresh tables first, the old ones dropped last: dropping a loose object can
         # run its __del__, which may push again and must see consistent tables.
+        # Only an optimisation (the tables stay valid as they are): it never raises,
+        # so an operation that has done its work never reports a MemoryError.
+        cdef list owners, loose
+        cdef dict owner_index
         if self._q.empty():
+            try:
+                owners, owner_index, loose = [], {}, []
+            except MemoryError:
+                return
             old = (self._owners, self._owner_index, self._loose, self._last_owner)
-            self._owners = []
-            self._owner_index = {}
-            self._loose = []
+            self._owners = owners
+            self._owner_index = owner_index
+            self._loose = loose
             self._last_owner = None
             self._last_owner_index = 0
             del old
@@ -170,13 +178,27 @@ cdef class FencedDeferredFreeQueue:
             TypeError: ``fence_seq`` is not an int.
         """
         cdef int64_t fence = _index(fence_seq)
-        cdef bint joined = False
-        for blocks in [list(g) for g in groups]:  # read every group before queuing any
+        cdef list parts = []
+        cdef vector[int64_t] handles
+        cdef vector[size_t] sizes
+        cdef Py_ssize_t n
+        for g in groups:  # read every group before queuing any
+            parts.append(list(g))
+        for blocks in parts:
             if blocks:
-                self._push_part(fence, blocks, joined)
-                joined = True
+                n = self._part_handles(blocks)
+                handles.insert(handles.end(), self._handles.begin(), self._handles.begin() + n)
+                sizes.push_back(<size_t>n)
+        if sizes.size():
+            # One entry, all parts or none (strong on MemoryError).
+            self._q.push_parts(fence, handles.data(), sizes.data(), sizes.size())
 
     cdef _push_part(self, int64_t fence, object blocks, bint joined):
+        cdef Py_ssize_t n = self._part_handles(blocks)
+        self._q.push(fence, self._handles.data(), <size_t>n, joined)
+
+    cdef Py_ssize_t _part_handles(self, object blocks) except -1:
+        # The handles of `blocks` into self._handles[0..n); returns n.
         cdef Py_ssize_t start, step, n, k
         cdef list seq = _source(blocks, &start, &step, &n)
         cdef PyObject** items = kvpool_list_items(<PyObject*>seq) + start
@@ -201,7 +223,7 @@ cdef class FencedDeferredFreeQueue:
                 out[k] = self._handle_of(<object>o)
                 last = <PyObject*>self._last_owner
                 last_index = self._last_owner_index
-        self._q.push(fence, out, <size_t>n, joined)
+        return n
 
     def drain(self, processed_step_seq):
         """Remove the leading entries whose fence is met.
@@ -216,39 +238,49 @@ cdef class FencedDeferredFreeQueue:
             BlockStateError: a queued block was taken over by another free queue;
                 nothing is removed then.
         """
-        cdef size_t ready, e, start, taken_from = 0
+        cdef size_t ready, e, start, taken_from
         cdef FencedFreeQueue.Entry entry
         cdef vector[PyObject*] refs
         cdef vector[size_t] ends
-        cdef list result = []
-        ready = self._q.ready_entries(<int64_t>_index(processed_step_seq))
-        # Take every ready entry's blocks (owned references) and only then remove the
-        # entries, with no Python code in between: a failure removes nothing, and
-        # Python code that runs while the lists are built (a collection) sees the
-        # queue already without them.
-        try:
-            ends.reserve(ready)
-            for e in range(ready):
-                entry = self._q.entry(e)
-                self._take(entry.begin, entry.end, refs)
-                ends.push_back(refs.size())
-        except BaseException:
-            for e in range(refs.size()):
-                Py_DECREF_ptr(refs[e])
-            raise
+        cdef list result
+        cdef uint64_t version
+        cdef int64_t processed = _index(processed_step_seq)
+        # Build the whole result while the entries are still queued and remove them
+        # only then, so a failure (MemoryError included) removes nothing. Making the
+        # lists may run Python code (a collection); if that code changed the queue, the
+        # lists are dropped and the drain starts over, so no entry is returned twice.
+        while True:
+            version = self._q.version()
+            ready = self._q.ready_entries(processed)
+            refs.clear()
+            ends.clear()
+            taken_from = 0
+            try:
+                ends.reserve(ready)
+                for e in range(ready):
+                    entry = self._q.entry(e)
+                    self._take(entry.begin, entry.end, refs)
+                    ends.push_back(refs.size())
+            except BaseException:
+                for e in range(refs.size()):
+                    Py_DECREF_ptr(refs[e])
+                raise
+            result = []
+            try:
+                for e in range(ready):
+                    # refs[:taken_from] are handed over (_list_of releases its range if it fails).
+                    start = taken_from
+                    taken_from = ends[e]
+                    result.append(self._list_of(refs, start, taken_from, False))
+            except BaseException:
+                for e in range(taken_from, refs.size()):
+                    Py_DECREF_ptr(refs[e])
+                raise
+            if self._q.version() == version:
+                break
+            result = None  # the queue changed while the lists were made: again
         self._q.discard_front(ready)
-        try:
-            for e in range(ready):
-                # refs[:taken_from] are handed over (_list_of releases its range if it fails).
-                start = taken_from
-                taken_from = ends[e]
-                result.append(self._list_of(refs, start, taken_from, False))
-        except BaseException:
-            for e in range(taken_from, refs.size()):
-                Py_DECREF_ptr(refs[e])
-            raise
-        finally:
-            self._maybe_reset_tables()
+        self._maybe_reset_tables()
         return result
 
     def free_ready(self, processed_step_seq, pool):

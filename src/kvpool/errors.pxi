@@ -1,6 +1,9 @@
 # Included by _core.pyx: the exceptions kvpool raises, and the error codes of the per-block loops (which stop, undo, then raise).
 
-class BlockStateError(ValueError, RuntimeError):
+from kvpool.errors import KvpoolError  # the one base of kvpool's exceptions
+
+
+class BlockStateError(KvpoolError, ValueError, RuntimeError):
     """A block is in the wrong state for the operation.
 
     Raised for a double free, removing a block that is not free, adding a block that
@@ -10,7 +13,7 @@ class BlockStateError(ValueError, RuntimeError):
     """
 
 
-class BlockIdOutOfRangeError(IndexError, ValueError):
+class BlockIdOutOfRangeError(KvpoolError, IndexError, ValueError):
     """A block id outside ``[0, num_gpu_blocks)``."""
 
 

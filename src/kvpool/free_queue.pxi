@@ -13,6 +13,38 @@ cdef inline KVCacheBlock _new_block(object block_id, object pool):
 _ORDER_NAMES = ("vllm", "segments", "contiguous")  # indexed by FreeBlockList::Order
 
 
+cdef inline list _untracked(list table):
+    # A queue's block table is never handed to Python code: the collector does not
+    # track it and the queue's tp_traverse visits its blocks instead of the list
+    # (_queue_traverse), so gc.get_referents(queue) gives blocks, not a list a caller
+    # could empty while a native loop reads it.
+    PyObject_GC_UnTrack(<void*>table)
+    return table
+
+
+cdef void _drop_refs(vector[PyObject*]& refs) noexcept:
+    cdef size_t i
+    for i in range(refs.size()):
+        Py_DECREF_ptr(refs[i])
+    refs.clear()
+
+
+cdef list _list_from_refs(vector[PyObject*]& refs):
+    # A new list that takes the owned references in `refs` (all of them dropped if
+    # the list cannot be made).
+    cdef list out
+    cdef size_t i
+    try:
+        out = PyList_New(<Py_ssize_t>refs.size())
+    except BaseException:
+        _drop_refs(refs)
+        raise
+    for i in range(refs.size()):
+        kvpool_list_items(<PyObject*>out)[i] = refs[i]  # the list takes the reference
+    refs.clear()
+    return out
+
+
 @cython.auto_pickle(False)
 cdef class FreeKVCacheBlockQueue:
     """Doubly linked list of free blocks in eviction order, native links.
@@ -38,9 +70,11 @@ cdef class FreeKVCacheBlockQueue:
     """
 
     def __cinit__(self):
-        # A queue that was never initialised is an empty queue, not a crash.
-        self._blocks = []
-        self._list = FreeBlockList(0, True)
+        # A queue that was never initialised is an empty queue, not a crash. The C++
+        # member was built by its non-allocating constructor; a bad_alloc here is a
+        # MemoryError from tp_new (never std::terminate).
+        self._list.reset(0, True)
+        self._blocks = _untracked([])
         self._plan_hint = -1
         self.fake_free_list_head = _new_block(-1, None)
         self.fake_free_list_head._queue = self
@@ -76,6 +110,12 @@ cdef class FreeKVCacheBlockQueue:
                     break
         except TypeError:
             ids_ascending = False
+        # Allocate before any block is taken over: a MemoryError leaves every block
+        # with its old queue.
+        cdef FreeBlockList fresh
+        if n >= 2**31 - 2:
+            raise ValueError("a free queue holds at most 2**31 - 3 blocks")
+        fresh.reset(<int32_t>n, True)
         for i in range(n):
             b = <KVCacheBlock>blist[i]
             if b._queue is not None and b._queue is not self:
@@ -84,13 +124,16 @@ cdef class FreeKVCacheBlockQueue:
             b._slot = <int32_t>i
             b._prev_py = None
             b._next_py = None
-        self._init_registered(blist, ids_ascending)
+        self._list.swap(fresh)
+        self._blocks = _untracked(blist)
+        self._ids_ascending = ids_ascending
+        self._initialized = True
 
     cdef _init_registered(self, list blist, bint ids_ascending):
         if PyList_GET_SIZE(blist) >= 2**31 - 2:
             raise ValueError("a free queue holds at most 2**31 - 3 blocks")
-        self._blocks = blist
-        self._list = FreeBlockList(<int32_t>PyList_GET_SIZE(blist), True)
+        self._list.reset(<int32_t>PyList_GET_SIZE(blist), True)  # strong: MemoryError
+        self._blocks = _untracked(blist)
         self._ids_ascending = ids_ascending
         self._initialized = True
 
@@ -105,8 +148,12 @@ cdef class FreeKVCacheBlockQueue:
 
     cdef int32_t _register(self, KVCacheBlock block) except -1:
         cdef int32_t slot = <int32_t>len(self._blocks)
-        self._list.grow(1)
-        self._blocks.append(block)
+        self._list.grow(1)  # strong
+        try:
+            self._blocks.append(block)
+        except BaseException:
+            self._list.ungrow(1)
+            raise
         block._queue = self
         block._slot = slot
         block._prev_py = None
@@ -217,6 +264,7 @@ cdef class FreeKVCacheBlockQueue:
         cdef Py_ssize_t i = 0, j, nback = 0
         cdef vector[int32_t] slots
         cdef vector[PyObject*] refs
+        cdef int32_t hint = -1, owner = 0, want = 0, extents_before = 0
         if n < 0:
             raise ValueError(f"cannot pop a negative number of blocks ({n})")
         if n > self._list.size():
@@ -227,6 +275,7 @@ cdef class FreeKVCacheBlockQueue:
             # The policy's choice (for the table set_allocation_plan named, if any).
             hint, owner, want = self._plan_hint, self._plan_owner, self._plan_want
             self._plan_hint, self._plan_owner, self._plan_want = -1, 0, 0
+            extents_before = self._list.num_extents(owner) if owner > 0 else 0
             self._list.take(n, hint, owner, want, slots.data())
         else:
             self._list.popleft_n(n, slots.data())
@@ -246,6 +295,8 @@ cdef class FreeKVCacheBlockQueue:
                     nback += 1
             if nback:
                 self._list.reinsert_front(slots.data(), <int32_t>nback)
+            if self._list.order() == ORDER_CONTIGUOUS and owner > 0:
+                self._list.truncate_extents(owner, extents_before)
             raise
         for i in range(n):
             kvpool_list_items(<PyObject*>out)[i] = refs[i]  # the list takes the reference
@@ -390,7 +441,24 @@ cdef class FreeKVCacheBlockQueue:
         if self._head_cut:
             raise RuntimeError("next_free_block of fake_free_list_head should always exist")
         order = self._list.to_vector()
-        return [self._block_at(s) for s in order]
+        return self._blocks_at(order)
+
+    cdef list _blocks_at(self, const vector[int32_t]& slots):
+        # The blocks of `slots` (created on first use) as a new list, built last so
+        # Python code run by a creation never sees it half filled; no list
+        # comprehension (docs/native-checks.md, "Cython's list comprehensions").
+        cdef vector[PyObject*] refs
+        cdef Py_ssize_t i
+        refs.reserve(slots.size())
+        try:
+            for i in range(<Py_ssize_t>slots.size()):
+                b = self._block_at(slots[i])
+                Py_INCREF(b)
+                refs.push_back(<PyObject*>b)
+        except BaseException:
+            _drop_refs(refs)
+            raise
+        return _list_from_refs(refs)
 
     def iter_blocks_after(self, cursor):
         """Iterate free blocks in eviction order after ``cursor`` (from the front when
@@ -479,7 +547,7 @@ cdef class FreeKVCacheBlockQueue:
             slot = self._list.lru_front()
             if slot < 0:
                 break
-            o = self._blocks[slot]
+            o = <object>PyList_GET_ITEM(self._blocks, slot)
             if o is not None:
                 b = <KVCacheBlock>o
                 if b._block_hash is not None:
@@ -528,7 +596,18 @@ cdef class FreeKVCacheBlockQueue:
     def free_block_ids(self):
         """Block ids of the free blocks in eviction order (a new list of int)."""
         cdef vector[int32_t] order = self._list.to_vector()
-        return [_block_id(<KVCacheBlock>self._block_at(s)) for s in order]
+        cdef vector[PyObject*] refs
+        cdef Py_ssize_t i
+        refs.reserve(order.size())
+        try:
+            for i in range(<Py_ssize_t>order.size()):
+                block_id = _block_id(<KVCacheBlock>self._block_at(order[i]))
+                Py_INCREF(block_id)
+                refs.push_back(<PyObject*>block_id)
+        except BaseException:
+            _drop_refs(refs)
+            raise
+        return _list_from_refs(refs)
 
     def __contains__(self, block):
         if not isinstance(block, KVCacheBlock):
@@ -539,6 +618,57 @@ cdef class FreeKVCacheBlockQueue:
     def check_invariants(self):
         """Raise RuntimeError if the native links are inconsistent. For tests."""
         self._list.check_invariants()
+
+
+# -- the queue's tp_traverse: blocks, not the block table --------------------------------
+cdef traverseproc _queue_generated_traverse = NULL
+
+cdef struct _SkipVisit:
+    visitproc visit
+    void* arg
+    PyObject* skip
+
+
+cdef int _visit_skipping(PyObject* o, void* arg) noexcept:
+    cdef _SkipVisit* sv = <_SkipVisit*>arg
+    if o == sv.skip:
+        return 0
+    return sv.visit(o, sv.arg)
+
+
+cdef int _queue_traverse(PyObject* o, visitproc visit, void* arg) noexcept:
+    # Cython's generated traverse, except that the block table (an untracked list,
+    # see _untracked) is visited item by item: the collector still sees every
+    # block the queue holds, and gc.get_referents(queue) never returns the list.
+    cdef PyObject* table = <PyObject*>(<FreeKVCacheBlockQueue>o)._blocks
+    cdef PyObject** items
+    cdef Py_ssize_t i
+    cdef int r
+    cdef _SkipVisit sv
+    sv.visit = visit
+    sv.arg = arg
+    sv.skip = NULL
+    if table != NULL and _PyList_CheckExact(table):
+        sv.skip = table
+        items = kvpool_list_items(table)
+        for i in range(_Py_SIZE(table)):
+            if items[i] != NULL:
+                r = visit(items[i], arg)
+                if r:
+                    return r
+    return _queue_generated_traverse(o, _visit_skipping, &sv)
+
+
+cdef _install_queue_traverse():
+    cdef _GCTypeObject* tp = <_GCTypeObject*>FreeKVCacheBlockQueue
+    global _queue_generated_traverse
+    if tp.tp_traverse != _queue_traverse:
+        _queue_generated_traverse = tp.tp_traverse
+        tp.tp_traverse = _queue_traverse
+        PyType_Modified(<_TypeObject*>tp)
+
+
+_install_queue_traverse()
 
 
 def make_pool_blocks(object pool, int num_blocks):

@@ -16,8 +16,10 @@ cdef extern from "free_block_list.h" namespace "kvpool" nogil:
         int32_t count()
 
     cdef cppclass FreeBlockList:
-        FreeBlockList() except +
+        FreeBlockList()  # allocates nothing, cannot throw: must be reset() before use
         FreeBlockList(int32_t capacity, cbool all_free) except +
+        void reset(int32_t capacity, cbool all_free) except +
+        void swap(FreeBlockList& other)
         int32_t capacity()
         int32_t size()
         cbool empty()
@@ -51,9 +53,12 @@ cdef extern from "free_block_list.h" namespace "kvpool" nogil:
         void release(int32_t owner)
         void release_all()
         int32_t num_reserved_owners()
+        int32_t num_extents(int32_t owner)
+        void truncate_extents(int32_t owner, int32_t keep)
         void rebuild_uncached_canonical() except +
         void free_runs(int32_t* num_runs, int32_t* longest)
         void grow(int32_t extra) except +
+        void ungrow(int32_t extra)
         void rebuild_canonical()
         void rebuild_in_order(const int32_t* slots, int32_t n) except +
         vector[int32_t] to_vector() except +
@@ -68,11 +73,13 @@ cdef extern from "fenced_free_queue.h" namespace "kvpool" nogil:
             size_t end
             cbool joined
         void push(int64_t fence_seq, const int64_t* handles, size_t n, cbool joined) except +
+        void push_parts(int64_t fence_seq, const int64_t* handles, const size_t* sizes, size_t num_parts) except +
         size_t ready_entries(int64_t processed_step_seq)
         size_t drain(int64_t processed_step_seq, vector[int64_t]& out, vector[size_t]* entry_ends) except +
         void pop_front(vector[int64_t]& out) except +
         void discard_front(size_t k) except +
         size_t num_entries()
+        uint64_t version()
         size_t num_heads()
         size_t num_blocks()
         cbool empty()

@@ -49,6 +49,7 @@ def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,
         reuse_watchers[_block_id(<KVCacheBlock>PyList_GET_ITEM(blist, i))] = on_reuse
 
 
+@cython.boundscheck(True)
 def pool_blocks_to_evict(object blocks, object block_ids,
                          dict cached_block_hashes_by_block, bint every_block):
     """Blocks named by ``block_ids`` that ``BlockPool.evict_blocks`` must visit: those
@@ -83,7 +84,7 @@ def pool_blocks_to_evict(object blocks, object block_ids,
                 continue  # never created: no hash
             obj = table._queue._block_at(<int32_t>i)
         else:
-            obj = blocks[i]
+            obj = blocks[i]  # checked: an id's __index__ may have changed a plain list
         b = _as_block(obj)
         if every_block or b._block_hash is not None or _block_id(b) in cached_block_hashes_by_block:
             out.append(b)

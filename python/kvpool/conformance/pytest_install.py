@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool.errors import KvpoolError
 
-class KvpoolInstallError(RuntimeError):
+
+class KvpoolInstallError(KvpoolError, RuntimeError):
     """kvpool could not be installed into vLLM for the conformance run."""
 
 

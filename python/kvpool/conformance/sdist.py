@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpool import envs
+from kvpool.errors import KvpoolError
 
 DEFAULT_INDEX_URL = "https://pypi.org/simple/"
 JSON_ACCEPT = "application/vnd.pypi.simple.v1+json"
@@ -39,7 +40,7 @@ HTTP_TIMEOUT_S = 120
 EXTRACT_MEMBERS = ("tests/", "pyproject.toml")
 
 
-class SdistError(RuntimeError):
+class SdistError(KvpoolError, RuntimeError):
     """The sdist could not be found, downloaded or verified."""
 
 

@@ -21,10 +21,12 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 
+from kvpool.errors import KvpoolError
+
 BASE_LAYOUTS = ("canonical", "descending", "random")
 
 
-class LayoutError(ValueError):
+class LayoutError(KvpoolError, ValueError):
     """A layout cannot provide the blocks a batch needs (pool too small, unknown name)."""
 
 

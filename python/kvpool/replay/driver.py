@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.errors import KvpoolError
 from kvpool.replay import metrics
 from kvpool.replay.workloads import STOP_TOKEN_ID, TOKEN_HI, TOKEN_LO, Workload
 
@@ -55,7 +56,7 @@ _thread_time = time.thread_time
 _perf_counter = time.perf_counter
 
 
-class ModeUnavailable(RuntimeError):
+class ModeUnavailable(KvpoolError, RuntimeError):
     """A requested mode cannot run here (kvpool not importable, no reorder API)."""
 
 

@@ -1,0 +1,316 @@
+"""Fault-injection sweep (run by tests/test_fault_injection.py in a child process).
+
+With tests/native/failmalloc.cpp preloaded and PYTHONMALLOC=malloc, for each pool
+operation and every k = 0, 1, 2, ... the k-th allocation inside the operation fails
+once (malloc returns NULL, operator new throws bad_alloc). Each try starts from a
+fresh pool in the same state. The operation must then either succeed or raise
+(MemoryError, or another Python exception) and leave the pool exactly as it was
+(strong guarantee): the free list in the same order, every block's ref_cnt, the
+contiguous policy's reservations. The sweep of an operation ends at the first k
+whose failure was never reached. A crash ends the process: the parent sees which
+operation and k it was from the last line printed.
+
+    python tests/native/fault_sweep.py [OPERATION ...]   # default: all
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+MAX_K = int(os.environ.get("KVPOOL_FAULT_MAX_K", "5000"))
+
+lib = ctypes.CDLL(os.environ["KVPOOL_FAILMALLOC"])
+lib.kvpool_fault_arm.argtypes = [ctypes.c_long]
+lib.kvpool_fault_disarm.restype = ctypes.c_long
+
+from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id  # noqa: E402
+
+from kvpool import _core  # noqa: E402
+from kvpool import allocation  # noqa: E402
+from kvpool._core import (  # noqa: E402
+    FencedDeferredFreeQueue,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    count_table_pairs,
+    make_pool_blocks,
+)
+from kvpool.block_pool import BlockPool  # noqa: E402
+
+NUM_BLOCKS = 64
+
+
+class State:
+    """A pool in a used state: some blocks held, some cached, free list scrambled."""
+
+    def __init__(self, policy: str = "vllm", order: str | None = None):
+        allocation.set_policy(policy)
+        try:
+            self.pool = BlockPool(NUM_BLOCKS, True, 16)
+        finally:
+            allocation.set_policy("vllm")
+        pool = self.pool
+        if order is not None:
+            pool.free_block_queue.set_allocation_order(order)
+        self.held = pool.get_new_blocks(20)
+        cached = self.held[:6]
+        for i, block in enumerate(cached):
+            block._block_hash = make_block_hash_with_group_id(BlockHash(b"h%d" % i), 0)
+            pool.cached_block_hash_to_block.insert(block.block_hash, block)
+        pool.free_blocks(list(reversed(self.held[:10])))  # 6 cached at the LRU tail
+        self.held = self.held[10:]
+        self.deferred = FencedDeferredFreeQueue()
+
+    def snapshot(self):
+        queue = self.pool.free_block_queue
+        blocks = self.pool.blocks.materialized()
+        return (
+            queue.free_block_ids(),
+            # Blocks not created yet have ref_cnt 0; a creation is not a change.
+            [(b.block_id, b.ref_cnt) for b in blocks if b.ref_cnt != 0],
+            queue.num_free_blocks,
+            queue.allocation_order,
+            queue.num_reserved_owners,
+            queue.num_uncached_free,
+            len(self.deferred),
+            self.deferred.num_blocks,
+        )
+
+    def check(self):
+        """Every block free or held exactly once, the free list consistent, and the
+        pool still works (an allocation and its free: where a half-switched order
+        once wrote through an empty array)."""
+        self._check_accounting()
+        blocks = self.pool.get_new_blocks(2)
+        self.pool.free_blocks(list(reversed(blocks)))
+        self._check_accounting()
+
+    def _check_accounting(self):
+        pool = self.pool
+        queue = pool.free_block_queue
+        queue.check_invariants()
+        free = queue.free_block_ids()
+        assert len(free) == len(set(free)) == queue.num_free_blocks, "free count"
+        held = {b.block_id for b in self.held}
+        deferred = {b.block_id for _, blocks in self.deferred for b in blocks}
+        assert not (set(free) & held), "a block both free and held"
+        assert set(free) | held | deferred | {0} == set(range(NUM_BLOCKS)), "a lost block"
+        for block in pool.blocks.materialized():
+            if block.block_id in held:
+                assert block.ref_cnt >= 1, f"held block {block.block_id} has ref_cnt {block.ref_cnt}"
+            elif block.block_id in free:
+                assert block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}"
+
+
+def armed(fn, *args):
+    """Call the pool operation with the fault armed, and disarm right after it, so
+    the sweep's own bookkeeping never takes the injected failure."""
+    try:
+        return fn(*args)
+    finally:
+        lib.kvpool_fault_disarm()
+
+
+def op_create(state):
+    def create():
+        BlockPool(NUM_BLOCKS, True, 16)
+        make_pool_blocks(None, NUM_BLOCKS)
+        FreeKVCacheBlockQueue([KVCacheBlock(i) for i in range(8)])
+    armed(create)
+
+
+def op_create_contiguous(state):
+    allocation.set_policy("contiguous")
+    try:
+        armed(BlockPool, NUM_BLOCKS, True, 16)
+    finally:
+        allocation.set_policy("vllm")
+
+
+def op_takeover(state):
+    # The RFC's reorder body: a new queue over the pool's free blocks takes them over.
+    free = [b for b in state.pool.blocks[1:12] if b.ref_cnt == 0]
+    armed(FreeKVCacheBlockQueue, free)
+    raise _DONE  # the pool's queue gave those blocks away: nothing more to check
+
+
+def op_get_new_blocks(state):
+    state.held += armed(state.pool.get_new_blocks, 30)  # evicts cached blocks too
+
+
+def op_get_new_blocks_contiguous(state):
+    state.held += armed(state.pool._native_get_new_blocks, 12, 40, 7, 16, 39)
+
+
+def op_get_new_blocks_extent(state):
+    # The table ends at block 7: its continuation 8, 9, 10 is free, 11 is held, so the
+    # rest goes to a new extent (reserved for owner 7 after the continuation was taken).
+    state.held += armed(state.pool._native_get_new_blocks, 12, 8, 7, 16, 7)
+
+
+def op_free_blocks(state):
+    blocks = state.held[:6]
+    armed(state.pool.free_blocks, list(reversed(blocks)))
+    del state.held[:6]
+
+
+def op_touch(state):
+    free = state.pool.free_block_queue.get_all_free_blocks()[-4:]  # cached ones
+    armed(state.pool.touch, free)
+    state.held += free
+
+
+def op_set_order(state):
+    armed(state.pool.free_block_queue.set_allocation_order, "contiguous")
+
+
+def op_set_order_segments(state):
+    armed(state.pool.free_block_queue.set_allocation_order, "segments")
+
+
+def _free_all(state):
+    state.pool.free_blocks(list(reversed(state.held)))
+    state.held = []
+
+
+def op_reorder(state):
+    armed(state.pool.reset_free_block_queue_order)
+
+
+def op_rebuild_uncached(state):
+    armed(state.pool.free_block_queue.rebuild_uncached_canonical)
+
+
+def op_reset_prefix_cache(state):
+    armed(state.pool.reset_prefix_cache, True)
+
+
+def op_lists(state):
+    queue = state.pool.free_block_queue
+    held = list(state.held)
+
+    def read():
+        queue.get_all_free_blocks()
+        queue.free_block_ids()
+        state.pool.blocks[2:40]
+        state.pool.blocks.materialized()
+        count_table_pairs(5, held, [0, 0, 0, 0])
+    armed(read)
+
+
+def op_deferred(state):
+    groups = [list(reversed(state.held[:3])), list(reversed(state.held[3:5]))]
+    armed(state.deferred.push_groups, 4, groups)
+    del state.held[:5]
+
+
+def op_free_ready(state):
+    armed(state.deferred.free_ready, 4, state.pool)
+
+
+def op_drain(state):
+    parts = armed(state.deferred.drain, 4)
+    for part in parts:
+        state.pool.free_blocks(part)
+
+
+def op_adopt(state):
+    queue = FreeKVCacheBlockQueue([])
+    blocks = [KVCacheBlock(1000 + i) for i in range(5)]
+    armed(queue.append_n, blocks)
+    queue.check_invariants()
+
+
+class _Done(Exception):
+    pass
+
+
+_DONE = _Done()  # made before any fault is armed
+
+
+def _idle(state):
+    _free_all(state)
+
+
+def _queued(state):
+    state.deferred.push_groups(4, [list(reversed(state.held[:3])), list(reversed(state.held[3:5]))])
+    del state.held[:5]
+
+
+# name: (operation, policy, free-list order, set-up after the common state)
+OPERATIONS = {
+    "create": (op_create, "vllm", None, None),
+    "create_contiguous": (op_create_contiguous, "vllm", None, None),
+    "takeover": (op_takeover, "vllm", None, None),
+    "get_new_blocks": (op_get_new_blocks, "vllm", None, None),
+    "get_new_blocks_contiguous": (op_get_new_blocks_contiguous, "contiguous", None, None),
+    "get_new_blocks_segments": (op_get_new_blocks, "vllm", "segments", None),
+    "get_new_blocks_extent": (op_get_new_blocks_extent, "contiguous", None, None),
+    "free_blocks": (op_free_blocks, "vllm", None, None),
+    "free_blocks_contiguous": (op_free_blocks, "contiguous", None, None),
+    "touch": (op_touch, "vllm", None, None),
+    "touch_contiguous": (op_touch, "contiguous", None, None),
+    "set_order_contiguous": (op_set_order, "vllm", None, None),
+    "set_order_segments": (op_set_order_segments, "vllm", None, None),
+    "reorder": (op_reorder, "vllm", None, _idle),
+    "reorder_contiguous": (op_reorder, "contiguous", None, _idle),
+    "rebuild_uncached": (op_rebuild_uncached, "contiguous", None, None),
+    "reset_prefix_cache": (op_reset_prefix_cache, "vllm", None, _idle),
+    "lists": (op_lists, "vllm", None, None),
+    "deferred_push_groups": (op_deferred, "vllm", None, None),
+    # free_ready frees an entry part by part (one KV cache group each): a failure
+    # leaves the failing part queued and the parts before it freed (its docstring),
+    # so it is checked for consistency, not for being unchanged.
+    "deferred_free_ready": (op_free_ready, "vllm", None, _queued),
+    "deferred_drain": (op_drain, "vllm", None, _queued),
+    "adopt": (op_adopt, "vllm", None, None),
+}
+
+
+#: Operations that may stop part-way (each step kept consistent).
+PARTIAL = {"deferred_free_ready"}
+
+
+def sweep(name: str) -> int:
+    op, policy, order, setup = OPERATIONS[name]
+    for k in range(MAX_K):
+        state = State(policy, order)
+        if setup is not None:
+            setup(state)
+        before = state.snapshot()
+        print(f"{name} k={k}", flush=True)
+        lib.kvpool_fault_arm(k)
+        try:
+            op(state)
+            error = None
+        except _Done:
+            error = None
+        except Exception as exc:  # MemoryError, or what the operation made of it
+            error = exc
+        finally:
+            hit = lib.kvpool_fault_disarm()
+        if not hit:
+            assert error is None, f"{name}: {error!r} without an injected failure"
+            return k
+        if error is None:
+            state.check()  # the failure was absorbed (e.g. a courtesy note): still consistent
+            continue
+        after = state.snapshot()
+        assert name in PARTIAL or after == before, (
+            f"{name} k={k}: {type(error).__name__}: {error} changed the pool\n"
+            f"before {before}\nafter  {after}")
+        state.check()
+    raise AssertionError(f"{name}: still hitting allocations after {MAX_K} tries")
+
+
+def main(argv: list[str]) -> int:
+    names = argv or list(OPERATIONS)
+    for name in names:
+        n = sweep(name)
+        print(f"OK {name}: {n} allocation points, each failing once", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,186 @@
+"""Re-entrant Python code, reachable internals and subclasses from the field (issue 18).
+
+Each test is a way the process once died or lost a block: user code run by a native
+loop that changes what the loop reads, the queue's block table handed out by
+``gc.get_referents``, and a ``BlockPool`` subclass that builds its own free structures
+instead of running ``BlockPool.__init__`` (kvcached's elastic pool).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+from vllm.v1.core import kv_cache_coordinator
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue as VllmFreeKVCacheBlockQueue
+from vllm.v1.core.kv_cache_utils import KVCacheBlock as VllmKVCacheBlock
+
+import kvpool
+from kvpool._core import KVCacheBlock, count_table_pairs, make_pool_blocks
+from kvpool.block_pool import BlockPool, NotAKvpoolPoolError, VllmBlockPool
+from tests.vllm_helpers import make_request, make_scheduler, runner_output
+
+
+# -- user code inside a native loop ------------------------------------------------------
+def test_count_table_pairs_reads_the_list_after_prev_lasts_int():
+    _, queue = make_pool_blocks(None, 16)
+    blocks = queue.popleft_n(6)
+
+    class EmptiesTheList:
+        def __index__(self):
+            blocks.clear()
+            return 3
+
+        __int__ = __index__
+
+    counters = [0, 0, 0, 0]
+    count_table_pairs(EmptiesTheList(), blocks, counters)  # once: SIGSEGV
+    assert counters == [0, 0, 0, 0]  # the list it read was empty by then
+    # The plain case still counts.
+    count_table_pairs(5, queue.popleft_n(3), counters)  # blocks 6, 7, 8 after 5
+    assert counters == [3, 3, 3, 0]
+
+
+@pytest.mark.usefixtures("installed")
+def test_evict_blocks_with_an_index_that_empties_a_plain_block_list_raises_like_vllm():
+    pool = BlockPool(16, True, 16)
+    pool.blocks = list(pool.blocks)  # a pool whose blocks are a plain list (vLLM's type)
+
+    class EmptiesTheBlocks:
+        def __index__(self):
+            pool.blocks.clear()
+            return 3
+
+        def __hash__(self):
+            return 3
+
+    with pytest.raises(IndexError):  # once: SIGSEGV; vLLM raises IndexError too
+        pool.evict_blocks({EmptiesTheBlocks()})
+
+
+def test_the_block_table_is_not_reachable_through_the_collector():
+    table, queue = make_pool_blocks(None, 32)
+    blocks = queue.popleft_n(4)
+    referents = gc.get_referents(queue)
+    assert not any(type(r) is list for r in referents)  # once: the table itself
+    # The collector still sees the blocks the queue holds ...
+    assert all(any(r is b for r in referents) for b in blocks)
+    # ... and emptying what it hands out cannot reach a native loop.
+    for r in referents:
+        if isinstance(r, list):
+            r.clear()
+    assert [b.block_id for b in queue.popleft_n(3)] == [4, 5, 6]
+    queue.check_invariants()
+
+
+@pytest.mark.usefixtures("installed")
+def test_a_pool_in_a_reference_cycle_is_still_collected():
+    # pool -> queue -> blocks -> pool: the queue's traverse must visit the blocks
+    # (its table list is untracked), or the cycle would never be freed.
+    pool = BlockPool(64, True, 16)
+    pool.free_blocks(list(reversed(pool.get_new_blocks(5))))
+    ref = weakref.ref(pool.free_block_queue)
+    del pool
+    gc.collect()
+    assert ref() is None
+
+
+# -- a BlockPool subclass that does not run BlockPool.__init__ ----------------------------
+class ElasticPool(BlockPool):
+    """kvcached's pattern (its issue #217): a pool subclass that builds its own free
+    structures instead of calling ``BlockPool.__init__``; here vLLM's own
+    constructor body, over whatever classes vLLM's module names."""
+
+    def __init__(self, *args, **kwargs):
+        VllmBlockPool.__init__(self, *args, **kwargs)
+
+
+def _drive(scheduler, prompts, steps=4):
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(make_request(f"r{i}", prompt, max_tokens=2))
+    trace = []
+    for _ in range(steps):
+        out = scheduler.schedule()
+        trace.append(sorted((r.req_id, tuple(map(tuple, r.block_ids))) for r in out.scheduled_new_reqs))
+        scheduler.update_from_output(out, runner_output(out))
+    return trace
+
+
+def _scheduler_with(pool_class, monkeypatch):
+    monkeypatch.setattr(kv_cache_coordinator, "BlockPool", pool_class)
+    return make_scheduler(num_blocks=64, enable_prefix_caching=True)
+
+
+PROMPTS = [list(range(1, 40)), list(range(1, 40)), list(range(100, 150))]
+
+
+def test_a_subclass_that_skips_init_runs_like_it_does_on_vllm(monkeypatch):
+    # vLLM alone: the subclass over vLLM's classes.
+    class VllmElastic(VllmBlockPool):
+        def __init__(self, *args, **kwargs):
+            VllmBlockPool.__init__(self, *args, **kwargs)
+
+    vanilla = _scheduler_with(VllmElastic, monkeypatch)
+    want = _drive(vanilla, PROMPTS)
+    want_free = vanilla.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    kvpool.install()
+    try:
+        scheduler = _scheduler_with(ElasticPool, monkeypatch)
+        pool = scheduler.kv_cache_manager.block_pool
+        assert type(pool) is ElasticPool and not pool._kvpool_native
+        assert _drive(scheduler, PROMPTS) == want
+        # Every request finished: once 3 blocks leaked here (AttributeError
+        # '_table_owners' after the blocks were popped) and a request stayed.
+        assert pool.get_num_free_blocks() == want_free == 63
+        assert not scheduler.requests
+        # Running requests preempted and freed by a reset, as on vLLM.
+        scheduler.add_request(make_request("late", list(range(200, 240)), max_tokens=8))
+        scheduler.update_from_output(out := scheduler.schedule(), runner_output(out))
+        assert scheduler.reset_prefix_cache(reset_running_requests=True) is True
+        assert pool.get_num_free_blocks() == 63
+        # kvpool's additions say what is wrong, naming the subclass.
+        for call in (pool.fragmentation_stats, pool.reset_free_block_queue_order,
+                     lambda: pool.reset_prefix_cache(reorder_free_queue=True)):
+            with pytest.raises(NotAKvpoolPoolError, match="ElasticPool did not run BlockPool.__init__"):
+                call()
+        assert issubclass(NotAKvpoolPoolError, TypeError) and issubclass(NotAKvpoolPoolError, kvpool.KvpoolError)
+        # kvpool's /metrics hook treats it as vLLM's own pool: no samples, no error.
+        from kvpool.metrics import pool_snapshot
+        assert pool_snapshot(scheduler, now=1e9) is None
+    finally:
+        kvpool.uninstall()
+
+
+@pytest.mark.usefixtures("installed")
+def test_a_pool_whose_queue_is_replaced_by_another_kind_runs_vllms_code():
+    pool = BlockPool(16, True, 16)
+    assert pool._kvpool_native
+    # vLLM's own pure-Python structures in place of kvpool's (bound before install).
+    pool.blocks = [VllmKVCacheBlock(i) for i in range(16)]
+    pool.free_block_queue = VllmFreeKVCacheBlockQueue(pool.blocks)
+    pool.null_block = pool.free_block_queue.popleft()
+    pool.null_block.is_null = True
+    assert not pool._kvpool_native
+    blocks = pool.get_new_blocks(3)  # once: TypeError from the native loop
+    assert [b.block_id for b in blocks] == [1, 2, 3] and all(type(b) is VllmKVCacheBlock for b in blocks)
+    pool.free_blocks(reversed(blocks))
+    assert pool.get_num_free_blocks() == 15
+    with pytest.raises(NotAKvpoolPoolError, match="replaced free_block_queue"):
+        pool.fragmentation_stats()
+    # A kvpool queue again (the RFC's reorder body builds one): kvpool's code again.
+    pool.blocks = [KVCacheBlock(i) for i in range(16)]
+    pool.free_block_queue = kvpool.FreeKVCacheBlockQueue(pool.blocks)
+    assert pool._kvpool_native
+
+
+def test_the_kvpool_error_base_covers_every_kvpool_exception():
+    from kvpool import BlockIdOutOfRangeError, BlockStateError, KvpoolError, UnsupportedVLLMVersionError
+
+    for cls in (BlockStateError, BlockIdOutOfRangeError, UnsupportedVLLMVersionError, NotAKvpoolPoolError):
+        assert issubclass(cls, KvpoolError), cls
+    # The built-in bases existing except clauses rely on are kept.
+    assert issubclass(BlockStateError, ValueError) and issubclass(BlockStateError, RuntimeError)
+    assert issubclass(BlockIdOutOfRangeError, IndexError)
+    assert issubclass(UnsupportedVLLMVersionError, RuntimeError)
