@@ -181,6 +181,7 @@ SCRIPT_VARIABLES: dict[str, str] = {
     "KVPOOL_LEAK_OPS": "tests: operations of the leak check (default 100000)",
     "KVPOOL_LEAK_SEED": "tests: seed of the leak check",
     "KVPOOL_FAILMALLOC": "tests: path of the failing-allocation shim the fault sweep loads",
+    "KVPOOL_FAULT_MAX_K": "tests: the fault sweep's largest allocation index to fail (default 5000)",
 }
 
 
