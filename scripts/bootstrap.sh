@@ -29,7 +29,13 @@ if [ ! -f "$PINS" ]; then
   exit 2
 fi
 
+# One line per step, with the time since the start, so the first run (about 2-5 minutes
+# on 2 cores, depending on load) is never silent.
+started=$SECONDS
+step() { printf 'bootstrap [%d:%02d] %s\n' $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60)) "$*"; }
+
 if [ ! -x "$VENV/bin/python" ]; then
+  step "creating $VENV with $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
   "$PY" -m venv "$VENV"
 fi
 VPY="$(cd "$VENV" && pwd)/bin/python"
@@ -45,27 +51,38 @@ pip() {
 req_hash="$(cat requirements/dev.txt requirements/vllm-cpu-runtime.txt "$PINS" | sha1sum | cut -c1-12)"
 stamp="$VENV/.kvpool-deps-$VLLM_VERSION-$req_hash"
 if [ ! -f "$stamp" ]; then
+  step "upgrading pip"
   pip install -q --upgrade pip
   # torch: on the CI-class machine this resolves to the CPU wheel that lies on disk.
+  step "installing torch $TORCH_VERSION (the CPU wheel)"
   pip install -q "torch==$TORCH_VERSION"
+  step "installing vLLM $VLLM_VERSION without its CUDA dependency tree"
   pip install -q --no-deps "vllm==$VLLM_VERSION"
+  step "installing the packages vLLM's scheduler imports on CPU (requirements/vllm-cpu-runtime.txt)"
   pip install -q -r requirements/vllm-cpu-runtime.txt -c "$PINS"
   # xgrammar depends on triton (about 1 GB); the scheduler only imports xgrammar.
+  step "installing xgrammar without triton"
   pip install -q --no-deps "$(grep -E '^xgrammar==' "$PINS")"
+  step "installing the test and benchmark tools (requirements/dev.txt)"
   pip install -q -r requirements/dev.txt -c "$PINS"
   touch "$stamp"
+else
+  step "dependencies of $VENV up to date (vLLM $VLLM_VERSION)"
 fi
 
 if [ -n "${KVPOOL_WHEEL:-}" ]; then
   # A built wheel (scripts/build-wheel.sh), as a user installs it: no compiler, no index.
+  step "installing $KVPOOL_WHEEL"
   pip install -q --no-index --no-deps --force-reinstall "$KVPOOL_WHEEL"
 else
   # kvpool itself: build isolation off so the already installed Cython/scikit-build-core
   # are used and a rebuild takes seconds.
+  step "installing kvpool's build tools (scikit-build-core, Cython, CMake, Ninja)"
   pip install -q "scikit-build-core>=0.10" "cython>=3.0" ninja cmake
   # Each environment builds in its own folder, so environments can be rebuilt side by side.
   build_dir="build/{wheel_tag}"
   [ "$VENV" = ".venv" ] || build_dir="build/$(basename "$VENV")/{wheel_tag}"
+  step "building kvpool into $VENV (editable: C++ and Cython)"
   pip install -q --no-build-isolation --no-deps --config-settings=build-dir="$build_dir" -e .
 fi
-"$VPY" -c 'import kvpool, kvpool._core, vllm; print("bootstrap: '"$VENV"' ready: vLLM", vllm.__version__, "kvpool", kvpool.__version__)'
+step "$("$VPY" -c 'import kvpool, kvpool._core, vllm; print("'"$VENV"' ready: vLLM", vllm.__version__, "kvpool", kvpool.__version__)')"

@@ -4,6 +4,11 @@
 #
 #   bash scripts/build-wheel.sh                       # wheelhouse/kvpool-0.1.0-cp311-cp311-manylinux_2_28_x86_64.whl
 #   bash scripts/build-wheel.sh python3.13 /path/to/python3.14
+#   bash scripts/build-wheel.sh --resolve python3.12     # only print the interpreter used
+#
+# An interpreter named like python3.12 that the PATH cannot run (pyenv's shim answers
+# "pyenv: python3.12: command not found" unless that version is active) is looked up
+# among pyenv's installed versions, newest first ($(pyenv root)/versions/3.12*/bin).
 #
 # The compiler is Zig's clang (PyPI's `ziglang`) targeting glibc 2.28: the host's GCC
 # links against its own glibc (2.36 on Debian 12), and even a static libstdc++ then
@@ -18,9 +23,38 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
 plat="${KVPOOL_WHEEL_PLAT:-manylinux_2_28_x86_64}"
+
+# The interpreter to build with: $1 itself when it runs, else pyenv's install of it.
+resolve_python() {
+  local name="$1" ver cand root
+  if "$name" -c pass 2>/dev/null; then
+    command -v "$name" 2>/dev/null || echo "$name"
+    return 0
+  fi
+  ver="${name##*/}"; ver="${ver#python}"
+  if [ -n "$ver" ] && command -v pyenv >/dev/null 2>&1; then
+    root="$(pyenv root)"
+    for cand in $(ls -d "$root/versions/$ver"* 2>/dev/null | sort -V -r); do
+      if [ -x "$cand/bin/python$ver" ] && "$cand/bin/python$ver" -c pass 2>/dev/null; then
+        echo "$cand/bin/python$ver"
+        return 0
+      fi
+    done
+  fi
+  echo "build-wheel: cannot run $name (not on PATH${ver:+, no pyenv version $ver*}; pass the interpreter's full path)" >&2
+  return 2
+}
+
+if [ "${1:-}" = "--resolve" ]; then
+  shift
+  for py in "$@"; do resolve_python "$py" || exit 2; done
+  exit 0
+fi
 mkdir -p wheelhouse
 [ "$#" -gt 0 ] || set -- python3
-for py in "$@"; do
+for name in "$@"; do
+  py="$(resolve_python "$name")" || exit 2
+  [ "$py" = "$name" ] || [ "$py" = "$(command -v "$name" 2>/dev/null)" ] || echo "build-wheel: $name -> $py"
   tag="$("$py" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
   # Build tools in a venv of the target interpreter itself (a system interpreter may
   # have no pip); KVPOOL_BUILD_SUFFIX keeps a chroot's build folders apart from the host's.

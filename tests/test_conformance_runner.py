@@ -510,6 +510,50 @@ def test_cli_exits_nonzero_when_vanilla_collects_nothing(tmp_path):
     assert "the vanilla run collected no tests" in json.loads((tmp_path / "r.json").read_text())["problems"]
 
 
+def test_cli_names_every_failed_test_in_both_modes_and_whether_it_failed_the_same_way(tmp_path, capsys):
+    tests = E2E_TESTS + """
+
+def test_fails_in_both_runs():
+    assert 1 == 2, "the same in both runs"
+
+
+def test_fails_differently():
+    raise RuntimeError("kvpool installed" if kvpool.is_installed() else "vanilla")
+"""
+    tarball = _e2e_sdist(tmp_path / "vllm-0.33.0.tar.gz", {"tests/v1/core/test_e2e.py": tests})
+    out = tmp_path / "r.json"
+    code = cli.main(["--sdist", str(tarball), "--suite", "tests/v1/core", "--json", str(out)])
+    assert code == report.EXIT_REGRESSIONS
+    r = json.loads(out.read_text())
+    both = "tests/v1/core/test_e2e.py::test_fails_in_both_runs"
+    differently = "tests/v1/core/test_e2e.py::test_fails_differently"
+    only_kvpool = "tests/v1/core/test_e2e.py::test_passes_only_on_vllms_own_block"
+    by_mode = {mode: {e["nodeid"]: e for e in r["failed"][mode]} for mode in ("vanilla", "kvpool")}
+    assert set(by_mode["vanilla"]) == {both, differently}
+    assert set(by_mode["kvpool"]) == {both, differently, only_kvpool}
+    assert by_mode["kvpool"][both]["same_in_other_mode"] is True
+    assert by_mode["kvpool"][differently]["same_in_other_mode"] is False
+    assert by_mode["kvpool"][only_kvpool]["other_outcome"] == "passed"
+    text = capsys.readouterr().out
+    assert "failed in the vanilla run (2):" in text and "failed in the kvpool run (3):" in text
+    assert f"{both}  [failed; the same way in the vanilla run (not kvpool's doing)]" in text
+    assert f"{differently}  [failed; vanilla run: failed, with a different error]" in text
+    assert f"{only_kvpool}  [failed; vanilla run: passed]" in text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--jobs", "0"], "argument --jobs: expected an integer >= 1"),
+    (["--timeout", "-5"], "argument --timeout: expected a number > 0"),
+    (["--json", "/nonexistent-dir/r.json"], "argument --json: cannot write '/nonexistent-dir/r.json'"),
+    (["--sdist", "/nonexistent-dir/vllm-0.33.0.tar.gz"], "argument --sdist: no such file"),
+])
+def test_cli_rejects_bad_flags_before_any_work(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_cli_rejects_a_suite_missing_from_the_sdist(tmp_path):
     tarball = _e2e_sdist(tmp_path / "vllm-0.33.0.tar.gz", {"tests/v1/core/test_e2e.py": ""})
     assert cli.main(["--sdist", str(tarball), "--suite", "tests/v1/nope"]) == cli.EXIT_SETUP_FAILED

@@ -195,3 +195,76 @@ def test_kvpool_disable_turns_the_plugin_off():
     )
     assert proc.returncode == 0, proc.stderr
     assert "INSTALLED False" in proc.stdout
+
+
+# -- forced untested vLLM releases degrade instead of crashing ------------------------------
+def test_forced_untested_vllm_skips_what_it_lacks_with_one_warning_and_installs_the_rest(monkeypatch, caplog):
+    # vLLM 0.29.0's KVCacheCoordinator has no reset_prefix_cache() (checked against the
+    # real 0.29.0 wheel, docs/conformance.md); simulated here on the installed release.
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    monkeypatch.setattr(vllm_compat, "installed_vllm_version", lambda: "0.29.0")
+    monkeypatch.delattr(KVCacheCoordinator, "reset_prefix_cache")
+    before = _bound_names()
+    drain = Scheduler.__dict__["_drain_deferred_frees"]
+    with caplog.at_level("WARNING", logger="vllm.kvpool"):
+        assert kvpool.install(force=True) is True
+    try:
+        warnings = [r.getMessage() for r in caplog.records if "not patched" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert "kvpool.engine_api" in warnings[0] and "KVCacheCoordinator defines no reset_prefix_cache()" in warnings[0]
+        assert "untested vLLM 0.29.0" in warnings[0]
+        assert list(patching.skipped_patches()) == ["kvpool.engine_api"]
+        # engine_api's changes made before the missing method were taken back ...
+        assert not hasattr(KVCacheCoordinator, "reset_free_block_queue_order")
+        # ... and the rest installed: the classes and the other patch modules.
+        assert all(v is patching._replacements()[k[1]] for k, v in _bound_names().items())
+        assert Scheduler.__dict__["_drain_deferred_frees"] is not drain
+    finally:
+        assert kvpool.uninstall() is True
+    assert _bound_names() == before
+    assert Scheduler.__dict__["_drain_deferred_frees"] is drain
+
+
+def test_missing_patch_target_on_a_supported_vllm_refuses_cleanly(monkeypatch):
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+    monkeypatch.delattr(KVCacheCoordinator, "reset_prefix_cache")
+    before = _bound_names()
+    with pytest.raises(vllm_compat.UnsupportedVLLMVersionError, match="defines no reset_prefix_cache") as info:
+        kvpool.install()
+    assert not isinstance(info.value, AttributeError)
+    assert not kvpool.is_installed() and _bound_names() == before
+    assert not hasattr(KVCacheCoordinator, "reset_free_block_queue_order")
+
+
+def test_forced_untested_vllm_without_bindable_block_classes_refuses_before_changing_anything(monkeypatch):
+    monkeypatch.setattr(vllm_compat, "installed_vllm_version", lambda: "0.29.0")
+    monkeypatch.setenv("KVPOOL_ALLOW_UNTESTED_VLLM", "yes")
+
+    def missing():
+        raise ImportError("cannot import name 'BlockHashToBlockMap' from 'vllm.v1.core.block_pool'")
+
+    monkeypatch.setattr(patching, "vanilla_classes", missing)
+    with pytest.raises(vllm_compat.UnsupportedVLLMVersionError, match="untested vLLM 0.29.0.*nothing was changed"):
+        kvpool.install()
+    assert not kvpool.is_installed()
+
+
+def test_forced_untested_vllm_skips_a_patch_whose_replacement_calls_a_missing_helper(monkeypatch):
+    # vLLM 0.29.0's Scheduler has no _request_blocks_can_be_freed, which kvpool's
+    # _free_request_blocks calls: patching it anyway crashed the first freed request.
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    monkeypatch.setattr(vllm_compat, "installed_vllm_version", lambda: "0.29.0")
+    monkeypatch.delattr(Scheduler, "_request_blocks_can_be_freed")
+    free = Scheduler.__dict__["_free_request_blocks"]
+    assert kvpool.install(force=True) is True
+    try:
+        assert "kvpool.deferred_free" in patching.skipped_patches()
+        assert "_request_blocks_can_be_freed" in patching.skipped_patches()["kvpool.deferred_free"]
+        assert Scheduler.__dict__["_free_request_blocks"] is free
+        assert "kvpool.engine_api" not in patching.skipped_patches()
+    finally:
+        kvpool.uninstall()

@@ -161,7 +161,7 @@ def test_fragmentation_stats_window_and_free_runs():
 
 
 def test_install_switches(monkeypatch):
-    with pytest.raises(ValueError, match="unknown kvpool allocation policy"):
+    with pytest.raises(ValueError, match="allocation='fastest' is not a valid setting; accepted: vllm, contiguous"):
         kvpool.install(allocation="fastest")
     assert not kvpool.is_installed()
     monkeypatch.setenv(allocation.ALLOCATION_ENV, "contiguous")
@@ -178,5 +178,8 @@ def test_install_switches(monkeypatch):
     monkeypatch.setenv(allocation.ALLOCATION_ENV, "bogus")
     from kvpool import plugin
 
-    plugin.register()  # logs a warning, leaves vLLM as it is
+    # A typo stops the engine (vLLM's plugin loader does not catch) instead of
+    # running it without kvpool.
+    with pytest.raises(ValueError, match="KVPOOL_ALLOCATION='bogus'"):
+        plugin.register()
     assert not kvpool.is_installed()

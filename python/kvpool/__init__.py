@@ -18,6 +18,7 @@ __all__ = [
     "BlockStateError",
     "FencedDeferredFreeQueue",
     "FreeKVCacheBlockQueue",
+    "InvalidSettingError",
     "KVCacheBlock",
     "KvpoolError",
     "NotAKvpoolPoolError",
@@ -39,7 +40,9 @@ _CORE_NAMES = {
 
 def install(*, force: bool = False, allocation: str | None = None) -> bool:
     """Replace vLLM's block pool classes with kvpool's; ``allocation="contiguous"``
-    opts into the contiguity-preserving policy. See :func:`kvpool.patching.install`."""
+    opts into the contiguity-preserving policy. See :func:`kvpool.patching.install`
+    (raises :class:`InvalidSettingError`, a ``ValueError``, for a bad ``allocation`` or
+    ``KVPOOL_*`` value; ``TypeError`` for a non-bool ``force``)."""
     from kvpool import patching
 
     return patching.install(force=force, allocation=allocation)
@@ -78,6 +81,10 @@ def __getattr__(name: str):
         from kvpool.block_pool import NotAKvpoolPoolError
 
         return NotAKvpoolPoolError
+    if name == "InvalidSettingError":
+        from kvpool.envs import InvalidSettingError
+
+        return InvalidSettingError
     if name == "UnsupportedVLLMVersionError":
         from kvpool.vllm_compat import UnsupportedVLLMVersionError
 

@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
         help="replay: workload through vLLM's scheduler, vanilla vs kvpool; "
         "locality: paged attention time per block-table layout (needs torch, not vLLM); "
         "conformance: vLLM's own tests with and without kvpool; "
-        "info: versions and install state",
+        "info: versions, install state and the effective KVPOOL_* settings. "
+        "`python -m kvpool COMMAND --help` for a command's options",
     )
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
@@ -37,10 +38,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return conformance_main(rest)
     if command == "info":
-        from kvpool.vllm_compat import describe
+        from kvpool.info import main as info_main
 
-        print(describe())
-        return 0
+        return info_main(rest)
     parser.error(f"unknown command {command!r}")
     return 2
 

@@ -39,14 +39,15 @@ the LRU segment keeps its order (so the prefix cache is untouched).
 from __future__ import annotations
 
 import functools
-import os
+
+from kvpool import envs
 
 #: The policies ``install(allocation=...)`` accepts.
-POLICIES: tuple[str, ...] = ("vllm", "contiguous")
+POLICIES: tuple[str, ...] = envs.ALLOCATION_POLICIES
 #: Environment variable naming the policy for the plugin and for ``install()``.
-ALLOCATION_ENV = "KVPOOL_ALLOCATION"
+ALLOCATION_ENV = envs.ALLOCATION
 #: ``KVPOOL_REORDER_ON_IDLE=1``: restore the uncached segment's order on idle.
-REORDER_ON_IDLE_ENV = "KVPOOL_REORDER_ON_IDLE"
+REORDER_ON_IDLE_ENV = envs.REORDER_ON_IDLE
 #: A new table's reserved extent is at most this fraction of the pool.
 EXTENT_CAP_FRACTION = 1 / 16
 
@@ -58,13 +59,13 @@ def resolve(allocation: str | None) -> str:
     ``"vllm"``.
 
     Raises:
-        ValueError: not one of :data:`POLICIES`.
+        kvpool.envs.InvalidSettingError: (a ``ValueError``) not one of :data:`POLICIES`
+            (case-insensitive), or not a string; the message names the argument or
+            the variable, the value and the policies.
     """
-    name = allocation if allocation is not None else (os.environ.get(ALLOCATION_ENV) or "vllm")
-    name = name.strip().lower()
-    if name not in POLICIES:
-        raise ValueError(f"unknown kvpool allocation policy {name!r}; choose from {', '.join(POLICIES)}")
-    return name
+    if allocation is not None:
+        return envs.check_argument(ALLOCATION_ENV, allocation)
+    return envs.get(ALLOCATION_ENV)
 
 
 def current() -> str:
@@ -79,8 +80,12 @@ def set_policy(name: str) -> None:
 
 
 def reorder_on_idle() -> bool:
-    """True when ``KVPOOL_REORDER_ON_IDLE=1``."""
-    return os.environ.get(REORDER_ON_IDLE_ENV, "").strip().lower() in ("1", "true", "yes")
+    """True when ``KVPOOL_REORDER_ON_IDLE`` is on (:mod:`kvpool.envs` switch rule).
+
+    Raises:
+        kvpool.envs.InvalidSettingError: a value that is neither on nor off.
+    """
+    return envs.get(REORDER_ON_IDLE_ENV)
 
 
 # -- patches: tell the pool which block table an allocation extends -----------------------

@@ -21,13 +21,12 @@ queue runs vLLM's own methods unchanged; kvpool's additions on it
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared
 from vllm.v1.core import block_pool as _vllm_block_pool
 
-from kvpool import allocation
+from kvpool import allocation, envs
 from kvpool.errors import KvpoolError
 from kvpool._core import (
     BlockTable,
@@ -49,7 +48,7 @@ logger = _vllm_block_pool.logger
 
 #: ``KVPOOL_REORDER_ON_RESET=1``: every successful prefix-cache reset also restores
 #: the canonical free-queue order (the RFC's Option B, switched on for a deployment).
-REORDER_ON_RESET_ENV = "KVPOOL_REORDER_ON_RESET"
+REORDER_ON_RESET_ENV = envs.REORDER_ON_RESET
 
 VllmBlockPool = _vllm_block_pool.BlockPool
 # kvpool's loop calls the eviction hook only for blocks that have a hash (vLLM's
@@ -452,7 +451,7 @@ class BlockPool(VllmBlockPool):
         if self.allocation == "contiguous":
             # Nothing is cached any more: every free block is uncached, sorted.
             self.free_block_queue.rebuild_canonical()
-        if reorder_free_queue or os.environ.get(REORDER_ON_RESET_ENV) == "1":
+        if reorder_free_queue or envs.get(REORDER_ON_RESET_ENV):
             self.reset_free_block_queue_order()
         return True
 

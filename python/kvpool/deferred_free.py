@@ -152,6 +152,10 @@ def apply(patcher) -> None:
     """Install the patches above (called by ``kvpool.install()``)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    # What the replacements below replace and call (vLLM 0.29.0 has no
+    # _request_blocks_can_be_freed, for one).
+    patcher.require(Scheduler, "_free_request_blocks", "_free_cow_retained_blocks", "_drain_deferred_frees",
+                    "_request_blocks_can_be_freed")
     original_init = Scheduler.__init__
 
     def __init__(self, *args, **kwargs):

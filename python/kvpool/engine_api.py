@@ -79,7 +79,9 @@ def _named(fn: Callable, owner: type, name: str) -> Callable:
 def _vllm_method(owner: type, name: str) -> Callable:
     fn = owner.__dict__.get(name)
     if fn is None:
-        raise AttributeError(f"{owner.__module__}.{owner.__qualname__} defines no {name}() to extend")
+        from kvpool.vllm_compat import MissingPatchTargetError
+
+        raise MissingPatchTargetError(f"{owner.__module__}.{owner.__qualname__} defines no {name}() to extend")
     return fn
 
 

@@ -47,17 +47,18 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import os
 import time
 from typing import Any
+
+from kvpool import envs
 
 logger = logging.getLogger("vllm.kvpool")
 
 #: ``SchedulerStats`` attribute carrying ``BlockPool.fragmentation_stats()``.
 STATS_FIELD = "kvpool_fragmentation"
 #: Seconds between two reads of the pool in the engine core (float; 0: every step).
-INTERVAL_ENV = "KVPOOL_METRICS_INTERVAL_S"
-DEFAULT_INTERVAL_S = 1.0
+INTERVAL_ENV = envs.METRICS_INTERVAL_S
+DEFAULT_INTERVAL_S = envs.VARIABLES[INTERVAL_ENV].default
 
 #: (metric name, ``fragmentation_stats()`` key, help text, set only when tables grew)
 GAUGES: tuple[tuple[str, str, str, bool], ...] = (
@@ -87,10 +88,9 @@ COUNTERS: tuple[tuple[str, str], ...] = (
 
 
 def _interval_s() -> float:
-    try:
-        return max(0.0, float(os.environ.get(INTERVAL_ENV, DEFAULT_INTERVAL_S)))
-    except ValueError:
-        return DEFAULT_INTERVAL_S
+    # Checked by install() (kvpool.envs.validate), so a bad value stops the engine at
+    # start-up rather than here, in a step.
+    return envs.get(INTERVAL_ENV)
 
 
 def pool_snapshot(scheduler, now: float | None = None) -> dict[str, float] | None:

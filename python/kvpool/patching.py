@@ -17,6 +17,13 @@ coordinator's per-group reversed pop and the scheduler's fenced deferred-free qu
 the reorder API from ``LLM`` down); each exposes ``apply(patcher)`` and makes its
 changes through the :class:`Patcher`, so every change is recorded and undone by
 :func:`uninstall`.
+
+On a vLLM release outside the supported list (``install(force=True)`` or
+``KVPOOL_ALLOW_UNTESTED_VLLM=1``) a patch module whose targets that release lacks is
+rolled back and skipped, with one warning naming it, and the rest installs
+(:func:`skipped_patches`); when the block classes themselves cannot be bound,
+``install()`` raises :class:`~kvpool.vllm_compat.UnsupportedVLLMVersionError` before
+changing anything.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.vllm_compat import check_vllm_version
+from kvpool import envs
+from kvpool.vllm_compat import MissingPatchTargetError, UnsupportedVLLMVersionError, check_vllm_version, is_supported
 
 # Under the "vllm" logger, so vLLM's logging configuration (handler, format, level,
 # VLLM_LOGGING_CONFIG_PATH) applies to kvpool's lines as to vLLM's own.
@@ -46,6 +54,8 @@ class _InstallState:
     rebound: list[tuple[Any, str, Any]] = field(default_factory=list)  # (module, name, old)
     rebased: list[tuple[type, tuple[type, ...]]] = field(default_factory=list)
     attrs: list[tuple[Any, str, Any]] = field(default_factory=list)  # (owner, name, old or _MISSING)
+    arguments: dict[str, Any] = field(default_factory=dict)  # install() arguments by variable name
+    skipped: dict[str, str] = field(default_factory=dict)  # patch module -> why (untested vLLM)
 
 
 _state: _InstallState | None = None
@@ -70,6 +80,19 @@ class Patcher:
     def vanilla(self) -> dict[str, Any]:
         """vLLM's original classes by name."""
         return self._state.vanilla
+
+    def require(self, owner: type, *names: str) -> None:
+        """Check that vLLM's ``owner`` has every attribute in ``names`` (what a patch
+        replaces or what its replacement calls), before the patch changes anything.
+
+        Raises:
+            MissingPatchTargetError: one is missing (an untested vLLM release);
+                ``install()`` then skips the patch module on a forced untested release.
+        """
+        missing = [n for n in names if not hasattr(owner, n)]
+        if missing:
+            raise MissingPatchTargetError(
+                f"{owner.__module__}.{owner.__qualname__} has no {', '.join(missing)} (kvpool patches or calls it)")
 
     def set_attr(self, owner: Any, name: str, value: Any) -> None:
         """``setattr(owner, name, value)``, remembering the previous value."""
@@ -159,15 +182,23 @@ def install(*, force: bool = False, allocation: str | None = None) -> bool:
         True if this call installed kvpool, False if it already was.
 
     Raises:
-        ValueError: an unknown policy, or one other than the installed one (call
-            ``uninstall()`` first).
-        UnsupportedVLLMVersionError: vLLM is missing or its version is not supported.
+        TypeError: ``force`` is not a bool.
+        kvpool.envs.InvalidSettingError: (a ``ValueError``) an unknown policy, or a
+            ``KVPOOL_*`` variable with a value kvpool does not accept; checked before
+            anything changes.
+        ValueError: a policy other than the installed one (call ``uninstall()`` first).
+        UnsupportedVLLMVersionError: vLLM is missing or its version is not supported;
+            or, on a forced untested version, vLLM's block classes cannot be bound
+            (nothing is changed then).
         ImportError: kvpool's native core is not built.
     """
     global _state
     from kvpool import allocation as _allocation
 
+    if not isinstance(force, bool):
+        raise TypeError(f"install(force=...) takes True or False, got {force!r}")
     policy = _allocation.resolve(allocation)
+    envs.validate()
     with _lock:
         if _state is not None:
             if policy != _allocation.current():
@@ -176,8 +207,17 @@ def install(*, force: bool = False, allocation: str | None = None) -> bool:
                     f"uninstall() before installing allocation={policy!r}")
             return False
         version = check_vllm_version(force=force)
-        state = _InstallState(vllm_version=version, vanilla=vanilla_classes())
-        replacements = _replacements()
+        untested = not is_supported(version)
+        try:
+            state = _InstallState(vllm_version=version, vanilla=vanilla_classes())
+            replacements = _replacements()
+        except (ImportError, AttributeError) as e:
+            if not untested:
+                raise
+            raise UnsupportedVLLMVersionError(
+                f"kvpool cannot bind its block classes into untested vLLM {version} ({e}); "
+                "nothing was changed") from e
+        state.arguments = {envs.ALLOCATION: allocation, envs.ALLOW_UNTESTED_VLLM: True if force else None}
         try:
             _rebind_names(state, replacements)
             _rebase_subclasses(state, replacements)
@@ -189,7 +229,20 @@ def install(*, force: bool = False, allocation: str | None = None) -> bool:
                     if e.name != modname:
                         raise
                     continue  # an optional patch module not shipped in this build
-                module.apply(patcher)
+                mark = len(state.attrs)
+                try:
+                    module.apply(patcher)
+                except (MissingPatchTargetError, ImportError, AttributeError) as e:
+                    if not untested:
+                        raise
+                    # An untested release lacks what this module patches: take its
+                    # changes back and install the rest.
+                    _undo_attrs(state.attrs[mark:])
+                    del state.attrs[mark:]
+                    state.skipped[modname] = f"{type(e).__name__}: {e}"
+                    logger.warning(
+                        "kvpool: %s not patched into untested vLLM %s (%s: %s); the rest of kvpool "
+                        "is installed", modname, version, type(e).__name__, e)
         except BaseException:
             _undo(state)
             raise
@@ -199,8 +252,8 @@ def install(*, force: bool = False, allocation: str | None = None) -> bool:
         return True
 
 
-def _undo(state: _InstallState) -> None:
-    for owner, name, old in reversed(state.attrs):
+def _undo_attrs(attrs: list[tuple[Any, str, Any]]) -> None:
+    for owner, name, old in reversed(attrs):
         if old is _MISSING:
             try:
                 delattr(owner, name)
@@ -208,6 +261,10 @@ def _undo(state: _InstallState) -> None:
                 pass
         else:
             setattr(owner, name, old)
+
+
+def _undo(state: _InstallState) -> None:
+    _undo_attrs(state.attrs)
     for cls, old_bases in reversed(state.rebased):
         cls.__bases__ = old_bases
     for module, attr, old in reversed(state.rebound):
@@ -238,3 +295,14 @@ def uninstall() -> bool:
 def installed_vllm_version() -> str | None:
     """The vLLM version kvpool patched, or None when not installed."""
     return None if _state is None else _state.vllm_version
+
+
+def installed_arguments() -> dict[str, Any]:
+    """The ``install()`` arguments in force, by the ``KVPOOL_*`` variable each
+    overrides (None: not given); ``{}`` when not installed."""
+    return {} if _state is None else dict(_state.arguments)
+
+
+def skipped_patches() -> dict[str, str]:
+    """Patch modules skipped on an untested vLLM (module name -> why); ``{}`` otherwise."""
+    return {} if _state is None else dict(_state.skipped)

@@ -10,21 +10,36 @@ from __future__ import annotations
 
 import os
 
-DISABLE_ENV = "KVPOOL_DISABLE"
+from kvpool import envs
+
+DISABLE_ENV = envs.DISABLE
 
 
 def register() -> None:
-    """Install kvpool into this process's vLLM, unless ``KVPOOL_DISABLE=1``.
+    """Install kvpool into this process's vLLM, unless ``KVPOOL_DISABLE`` is on.
 
-    Never raises: a vLLM version kvpool does not support is logged and left vanilla,
-    so a production server still starts.
+    vLLM calls this from ``vllm.plugins.load_general_plugins()`` without catching, so
+    what it raises stops the process before the engine is built.
+
+    Raises:
+        kvpool.envs.InvalidSettingError: a ``KVPOOL_*`` variable has a value kvpool
+            does not accept (``KVPOOL_ALLOCATION=foo``, ``KVPOOL_REORDER_ON_RESET=2``):
+            a typo must not run vLLM silently without kvpool. ``KVPOOL_DISABLE=1`` is
+            the way to run without it.
+
+    A vLLM version kvpool does not support is logged and left vanilla (no exception),
+    so a production server still starts after a vLLM upgrade.
     """
     # vLLM's logger, so the line lands wherever vLLM's own log lines go.
     from vllm.logger import init_logger
 
     logger = init_logger("vllm.kvpool")
-    if os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes"):
-        logger.info("kvpool: disabled by %s=1; vLLM's own block pool is used", DISABLE_ENV)
+    # Every variable first: a bad value stops the engine even when kvpool is disabled
+    # or would not install (the operator meant something by it).
+    envs.validate()
+    if envs.get(DISABLE_ENV):
+        logger.info("kvpool: disabled by %s=%s; vLLM's own block pool is used", DISABLE_ENV,
+                    os.environ.get(DISABLE_ENV))
         return
     from kvpool import __version__, patching
     from kvpool.vllm_compat import UnsupportedVLLMVersionError
@@ -32,9 +47,6 @@ def register() -> None:
     try:
         patching.install()
     except UnsupportedVLLMVersionError as e:
-        logger.warning("kvpool: not activated: %s", e)
-        return
-    except ValueError as e:  # an unknown KVPOOL_ALLOCATION
         logger.warning("kvpool: not activated: %s", e)
         return
     from kvpool import allocation

@@ -9,10 +9,10 @@ version in :data:`SUPPORTED_VLLM_VERSIONS`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from importlib import metadata
 
+from kvpool import envs
 from kvpool.errors import KvpoolError
 
 
@@ -72,7 +72,7 @@ VLLM_RELEASES: dict[str, VllmRelease] = {
 SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
 
 #: Set to 1 to let ``install()`` patch a vLLM version that is not in the list above.
-ALLOW_UNTESTED_ENV = "KVPOOL_ALLOW_UNTESTED_VLLM"
+ALLOW_UNTESTED_ENV = envs.ALLOW_UNTESTED_VLLM
 
 #: vLLM modules that bind the classes kvpool replaces (``from ... import X``), in
 #: 0.33.0. ``install()`` rebinds these names in *every* loaded ``vllm.*`` module, so
@@ -92,6 +92,12 @@ MODULES_BINDING_BLOCK_CLASSES: tuple[str, ...] = (
 
 class UnsupportedVLLMVersionError(KvpoolError, RuntimeError):
     """The installed vLLM is not one kvpool has been validated against."""
+
+
+class MissingPatchTargetError(UnsupportedVLLMVersionError):
+    """The installed vLLM lacks a class or method that kvpool's patch table extends
+    (a release outside the supported list). ``install()`` skips that patch module on a
+    forced untested release and raises this on a supported one."""
 
 
 def installed_vllm_version() -> str | None:
@@ -139,11 +145,13 @@ def check_vllm_version(force: bool = False) -> str:
         UnsupportedVLLMVersionError: vLLM is missing, or its version is not in
             :data:`SUPPORTED_VLLM_VERSIONS` and neither ``force`` nor
             ``KVPOOL_ALLOW_UNTESTED_VLLM=1`` is set.
+        kvpool.envs.InvalidSettingError: ``KVPOOL_ALLOW_UNTESTED_VLLM`` is neither on
+            nor off.
     """
     version = installed_vllm_version()
     if version is None:
         raise UnsupportedVLLMVersionError("kvpool.install() needs vLLM, which is not installed")
-    if is_supported(version) or force or os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+    if is_supported(version) or force or envs.get(ALLOW_UNTESTED_ENV):
         return version
     raise UnsupportedVLLMVersionError(
         f"kvpool {_kvpool_version()} supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}; "
@@ -166,7 +174,6 @@ def describe() -> str:
         f"vLLM installed: {version or 'no'}"
         + ("" if version is None else (" (supported)" if is_supported(version) else " (NOT supported)")),
         f"supported vLLM: {', '.join(SUPPORTED_VLLM_VERSIONS)}",
-        f"KVPOOL_DISABLE={os.environ.get('KVPOOL_DISABLE', '')!r}",
     ]
     try:
         eps = metadata.entry_points(group="vllm.general_plugins")
@@ -175,7 +182,8 @@ def describe() -> str:
         registered = False
     lines.append(
         "vLLM plugin entry point: "
-        + ("registered (every vLLM process installs kvpool unless KVPOOL_DISABLE=1)" if registered else "NOT registered")
+        + ("registered (every vLLM process installs kvpool unless KVPOOL_DISABLE is on)" if registered
+           else "NOT registered")
     )
     from kvpool import is_installed
 

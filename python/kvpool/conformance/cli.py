@@ -25,6 +25,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from kvpool import cliargs
 from kvpool.conformance import report as rpt
 from kvpool.conformance import sdist as sd
 from kvpool.conformance import suites as st
@@ -50,11 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
         + ", ".join(st.DEFAULT_SUITES[:2])
         + ", ... see kvpool/conformance/suites.py)",
     )
-    p.add_argument("--json", metavar="PATH", type=Path, help="write the JSON report here")
+    p.add_argument("--json", metavar="PATH", type=cliargs.output_file, help="write the JSON report here")
     p.add_argument("-k", dest="keyword", metavar="EXPR", help="pytest -k expression for both runs")
     p.add_argument(
         "--jobs",
-        type=int,
+        type=cliargs.positive_int,
         default=min(2, os.cpu_count() or 1),
         help="pytest processes at once; 2 runs vanilla and kvpool side by side (default: %(default)s)",
     )
@@ -66,11 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--keep-workdir", action="store_true", help="keep the scratch directory")
     p.add_argument("--workdir", type=Path, help="scratch directory to use (kept); default: a new temp dir")
-    p.add_argument("--sdist", type=Path, help="use this vllm-X.tar.gz instead of fetching one")
+    p.add_argument("--sdist", type=cliargs.existing_file, help="use this vllm-X.tar.gz instead of fetching one")
     p.add_argument("--index-url", help="simple index to fetch the sdist from (default: pip's)")
     p.add_argument(
         "--timeout",
-        type=float,
+        type=cliargs.positive_float,
         default=DEFAULT_RUN_TIMEOUT_S,
         help="seconds each pytest run may take (default: %(default)s)",
     )
@@ -328,11 +329,11 @@ def main(argv: list[str] | None = None) -> int:
                 },
             },
         )
+        if args.json:  # the results first, before anything else can fail
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(rpt.format_summary(report))
         print(f"conformance: total {report['total_wall_s']:.0f} s", flush=True)
         if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=2) + "\n")
             print(f"conformance: report written to {args.json}")
         return report["exit_code"]
     finally:

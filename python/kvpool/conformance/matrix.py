@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvpool import envs
 from kvpool.vllm_compat import SUPPORTED_VLLM_VERSIONS, VLLM_RELEASES
 
 #: Exit status when an environment cannot be built (as for a failed sdist fetch).
@@ -55,7 +56,7 @@ def ensure_environment(version: str, root: Path) -> Path:
         RuntimeError: ``scripts/bootstrap.sh`` failed (its output is printed).
     """
     venv = environment_for(version, root)
-    env = dict(os.environ, KVPOOL_VLLM_VERSION=version, KVPOOL_VENV=venv)
+    env = dict(os.environ, **{envs.VLLM_VERSION: version, envs.VENV: venv})
     print(f"conformance: environment for vLLM {version}: {venv} (scripts/bootstrap.sh)", flush=True)
     proc = subprocess.run(["bash", str(root / "scripts" / "bootstrap.sh")], cwd=root, env=env)
     if proc.returncode != 0:

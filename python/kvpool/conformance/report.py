@@ -9,6 +9,7 @@ no longer imports loses all its tests).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,6 +116,38 @@ def key_lines(message: str, limit: int = MESSAGE_LINES) -> str:
     return "\n".join((keep or lines)[-limit:])
 
 
+def _signature(message: str) -> str:
+    # The exception lines of a failure ("E   AssertionError: ..."), without addresses
+    # and temp paths that differ between two runs of the same failure.
+    lines = [ln[1:].strip() for ln in message.splitlines() if ln.startswith("E ")]
+    if not lines:
+        lines = message.strip().splitlines()[-1:]
+    return re.sub(r"0x[0-9a-f]+|/tmp/\S+|pytest-of-\S+", "*", "\n".join(lines))
+
+
+def failed_tests(run: RunResult, other: RunResult | None) -> list[dict]:
+    """Every test that failed or errored in ``run``, named, with the other mode's
+    outcome and whether it failed the same way there.
+
+    Returns:
+        ``[{"nodeid", "outcome", "message", "other_outcome", "same_in_other_mode"}]``
+        sorted by nodeid; ``other_outcome`` is None when the other mode was not run
+        (or did not run the test), ``same_in_other_mode`` is True when the other mode
+        had the same outcome and the same exception lines.
+    """
+    out = []
+    for nodeid, outcome in sorted(run.outcomes.items()):
+        if outcome not in ("failed", "error"):
+            continue
+        message = run.messages.get(nodeid, "")
+        other_outcome = other.outcomes.get(nodeid) if other is not None else None
+        same = bool(other is not None and other_outcome == outcome
+                    and _signature(other.messages.get(nodeid, "")) == _signature(message))
+        out.append({"nodeid": nodeid, "outcome": outcome, "message": key_lines(message),
+                    "other_outcome": other_outcome, "same_in_other_mode": same})
+    return out
+
+
 def validity_problems(vanilla: RunResult | None, kvpool: RunResult | None) -> list[str]:
     """Reasons the runs cannot be compared; empty when they can."""
     problems = []
@@ -162,7 +195,8 @@ def build_report(
 
     Keys: ``vllm``, ``suites``, ``vanilla``/``kvpool`` (counts, or None if that mode was
     not run), ``regressions`` (nodeids), ``regression_details`` (nodeid -> kvpool
-    outcome and the failure's key lines), ``fixed``, ``excluded``
+    outcome and the failure's key lines), ``fixed``, ``failed`` (per mode, every test
+    that failed or errored: :func:`failed_tests`), ``excluded``
     (``[{"nodeid", "reason", "matched"}]``), ``wall_s``, ``problems``, ``exit_code``.
     """
     regressions: list[str] = []
@@ -186,6 +220,10 @@ def build_report(
         "regressions": regressions,
         "regression_details": details,
         "fixed": fixed,
+        "failed": {
+            "vanilla": failed_tests(vanilla, kvpool) if vanilla is not None else None,
+            "kvpool": failed_tests(kvpool, vanilla) if kvpool is not None else None,
+        },
         "excluded": excluded_entries(exclusions, vanilla, kvpool),
         "wall_s": {r.mode: round(r.wall_s, 1) for r in (vanilla, kvpool) if r is not None},
         "problems": problems,
@@ -211,6 +249,30 @@ def _fmt_counts(c: dict[str, int] | None) -> str:
     return ", ".join(f"{c[k]} {k}" for k in ("passed", "failed", "skipped", "errors"))
 
 
+def _format_failed(failed: dict, limit: int = 50) -> list[str]:
+    # Every failed test of each mode by name, and whether the other mode failed it too.
+    lines = []
+    for mode, other in (("vanilla", "kvpool"), ("kvpool", "vanilla")):
+        entries = failed.get(mode) or []
+        if not entries:
+            continue
+        lines.append(f"  failed in the {mode} run ({len(entries)}):")
+        for e in entries[:limit]:
+            if e["other_outcome"] is None:
+                how = f"{other} run: not run"
+            elif e["same_in_other_mode"]:
+                how = f"the same way in the {other} run" + (" (not kvpool's doing)" if mode == "kvpool" else "")
+            else:
+                how = f"{other} run: {e['other_outcome']}" + (
+                    "" if e["other_outcome"] not in ("failed", "error") else ", with a different error")
+            lines.append(f"    {e['nodeid']}  [{e['outcome']}; {how}]")
+            last = [ln.strip() for ln in e["message"].splitlines() if ln.strip()][-1:]
+            lines += [f"        {ln[:160]}" for ln in last]
+        if len(entries) > limit:
+            lines.append(f"    ... and {len(entries) - limit} more (see the JSON report)")
+    return lines
+
+
 def format_summary(report: dict, max_regressions: int = 50) -> str:
     """A short plain-text summary of ``report`` for the terminal."""
     wall = report.get("wall_s", {})
@@ -223,6 +285,7 @@ def format_summary(report: dict, max_regressions: int = 50) -> str:
     ]
     if report["fixed"]:
         lines.append(f"  pass with kvpool but not vanilla: {len(report['fixed'])}")
+    lines += _format_failed(report.get("failed") or {})
     for problem in report["problems"]:
         lines.append(f"PROBLEM: {problem}")
     regressions = report["regressions"]

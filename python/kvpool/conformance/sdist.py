@@ -25,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpool import envs
 from kvpool.errors import KvpoolError
 
 DEFAULT_INDEX_URL = "https://pypi.org/simple/"
@@ -53,9 +54,8 @@ class SdistFile:
 
 
 def cache_dir() -> Path:
-    """``$KVPOOL_CACHE_DIR``, default ``~/.cache/kvpool``."""
-    env = os.environ.get("KVPOOL_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvpool"
+    """``$KVPOOL_CACHE_DIR``, default ``~/.cache/kvpool`` (:mod:`kvpool.envs`)."""
+    return Path(envs.get(envs.CACHE_DIR)).expanduser()
 
 
 def _pip_config() -> dict[str, str]:
@@ -98,7 +98,7 @@ def index_urls(explicit: str | None = None) -> list[str]:
 
     primary = (
         explicit
-        or os.environ.get("KVPOOL_INDEX_URL")
+        or envs.get(envs.INDEX_URL)
         or os.environ.get("PIP_INDEX_URL")
         or pip_setting("index-url")
         or DEFAULT_INDEX_URL

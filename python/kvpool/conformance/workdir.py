@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvpool import envs
 from kvpool.hf_offline import OFFLINE_FLAGS, materialize_hf_cache, offline_env
 from kvpool.vllm_compat import ALLOW_UNTESTED_ENV
 
@@ -96,9 +97,9 @@ def run_environment(base: dict[str, str], hf_home: Path, mode: str) -> dict[str,
     # Hugging Face token / endpoint settings must not send the offline run anywhere.
     env.pop("HF_ENDPOINT", None)
     if mode == "vanilla":
-        env["KVPOOL_DISABLE"] = "1"
+        env[envs.DISABLE] = "1"
     else:
-        env.pop("KVPOOL_DISABLE", None)
+        env.pop(envs.DISABLE, None)
         # This run is what validates a release for SUPPORTED_VLLM_VERSIONS, so kvpool
         # installs on a release of the matrix that is not (yet) listed there.
         env[ALLOW_UNTESTED_ENV] = "1"

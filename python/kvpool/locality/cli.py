@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpool import cliargs
+
 #: Defaults per device: a real deployment's pool on a GPU (the GB10 report's 85,000 x 32
 #: tokens); on CPU a pool and batches that time in about a minute on 2 cores.
 DEFAULTS = {
@@ -64,16 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=1, help="layers timed per forward, each its own K/V (default 1)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--warmup", type=int, help="untimed calls per layout and batch (cuda default 3, cpu 1)")
-    p.add_argument("--reps", type=int, help="timed calls per layout and batch (cuda default 20, cpu 7)")
+    p.add_argument("--reps", type=cliargs.positive_int, help="timed calls per layout and batch (cuda default 20, cpu 7)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=cliargs.positive_int, help="torch CPU threads (default: torch's)")
     p.add_argument("--check", action="store_true",
                    help="compare each layout's output with the gather + SDPA reference before timing; "
                    "exit 1 if any differs by more than --check-tol")
     p.add_argument("--check-tol", type=float, default=0.03,
                    help="max abs difference allowed by --check (default 0.03, bf16 rounding)")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--plot", metavar="PATH.png", help="write median time per layout and batch (matplotlib)")
+    p.add_argument("--json", metavar="PATH", type=cliargs.output_file, help="write the results as JSON")
+    p.add_argument("--plot", metavar="PATH.png", type=cliargs.plot_file,
+                   help="write median time per layout and batch (matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p
 
@@ -129,13 +132,25 @@ def render_table(report: dict[str, Any]) -> str:
 
 def plot(report: dict[str, Any], path: str | Path) -> None:
     """Write a PNG: one panel per batch, median time per layout with IQR whiskers."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(report)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure(report: dict[str, Any]):
+    """The matplotlib ``Figure`` :func:`plot` writes. The layout names are written
+    vertically under their bars, each panel wide enough that no two labels overlap."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     batches = list(dict.fromkeys(r["batch"] for r in report["results"]))
-    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 4.2), squeeze=False)
+    per_panel = max(sum(r["batch"] == b for r in report["results"]) for b in batches)
+    fig, axes = plt.subplots(1, len(batches), figsize=(max(4.5, 0.6 * per_panel) * len(batches), 5.6),
+                             squeeze=False)
     for ax, b in zip(axes[0], batches):
         rows = [r for r in report["results"] if r["batch"] == b]
         x = range(len(rows))
@@ -144,8 +159,11 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
         ax.bar(x, med, yerr=err, capsize=3, color=["tab:green" if r["layout"] == "canonical" else "tab:grey" for r in rows])
         for i, r in enumerate(rows):
             if r["ratio_vs_canonical"] is not None:
-                ax.annotate(f"{r['ratio_vs_canonical']:.2f}x", (i, med[i]), ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(list(x), [r["layout"].replace("replay:", "replay\n") for r in rows], fontsize=7)
+                # Above the whisker, not through it.
+                ax.annotate(f"{r['ratio_vs_canonical']:.2f}x", (i, r["q3_s"] * 1e3), xytext=(0, 2),
+                            textcoords="offset points", ha="center", va="bottom", fontsize=8)
+        # Upright names would overlap ("replay:kvpool+contiguous@19"): written vertically.
+        ax.set_xticks(list(x), [r["layout"] for r in rows], fontsize=7, rotation=90)
         ax.set_title(b, fontsize=10)
         ax.set_ylabel("median ms per forward")
         ax.grid(axis="y", alpha=0.3)
@@ -153,8 +171,7 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     fig.suptitle(f"kvpool locality: {d.get('name')}, {report['kernel']} kernel, {g['num_blocks']} blocks x "
                  f"{g['block_size']} tokens, {g['num_kv_heads']}x{g['head_size']} KV, {g['dtype']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:

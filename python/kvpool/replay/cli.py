@@ -11,8 +11,10 @@ import platform
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+from kvpool import cliargs
 from kvpool.replay.driver import MODES, PoolSpec
 from kvpool.replay.workloads import WORKLOADS, Workload, from_trace, truncate_rounds
 
@@ -34,6 +36,12 @@ def _modes(text: str) -> tuple[str, ...]:
     return modes
 
 
+#: Where a run without --json writes its report and plot (relative to the working folder).
+DEFAULT_OUT_DIR = "replay-out"
+#: Table width when stdout is not a terminal (and COLUMNS is not set).
+PIPED_WIDTH = 120
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m kvpool replay",
@@ -51,23 +59,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay a JSON-lines trace instead of a built-in workload (docs/replay.md)")
     p.add_argument("--modes", type=_modes, default=MODES,
                    help=f"comma-separated subset of {','.join(MODES)} (default: all)")
-    p.add_argument("--rounds", type=int, help="number of rounds (trace: keep the first N)")
-    p.add_argument("--window-steps", type=int, metavar="N",
+    p.add_argument("--rounds", type=cliargs.positive_int, help="number of rounds (trace: keep the first N)")
+    p.add_argument("--window-steps", type=cliargs.positive_int, metavar="N",
                    help="serving and continuous traces: engine steps per round (default 1000)")
     p.add_argument("--in-flight", type=_range, metavar="LO,HI",
                    help="serving: requests in flight (default 32,64)")
-    p.add_argument("--num-blocks", type=int, default=85_000, help="KV blocks in the pool (default 85000)")
-    p.add_argument("--block-size", type=int, default=32, help="tokens per block (default 32)")
+    p.add_argument("--num-blocks", type=cliargs.positive_int, default=85_000,
+                   help="KV blocks in the pool (default 85000)")
+    p.add_argument("--block-size", type=cliargs.positive_int, default=32, help="tokens per block (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seed for lengths and token ids (default 0)")
-    p.add_argument("--scale", type=float, default=1.0, help="multiply output lengths (e.g. 0.05)")
+    p.add_argument("--scale", type=cliargs.positive_float, default=1.0,
+                   help="multiply output lengths (a number > 0, e.g. 0.05)")
     p.add_argument("--prompt-len", type=_range, metavar="LO,HI",
                    help="override the workload's prompt length range (tokens)")
     p.add_argument("--output-len", type=_range, metavar="LO,HI",
                    help="override the workload's output length range (tokens, before --scale)")
     p.add_argument("--prefix-caching", choices=["on", "off"],
                    help="override the workload's prefix caching setting")
-    p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
-    p.add_argument("--plot", metavar="PATH.png", help="write contiguity/CPU per round per mode")
+    p.add_argument("--json", metavar="PATH", type=cliargs.output_file,
+                   help=f"write the full report as JSON here (default: {DEFAULT_OUT_DIR}/WORKLOAD.json); "
+                   "written before the plot")
+    p.add_argument("--plot", metavar="PATH.png", type=cliargs.plot_file,
+                   help="write contiguity/CPU per round per mode (default: the JSON's path with .png)")
+    p.add_argument("--no-plot", action="store_true", help="write no plot")
     p.add_argument("--save-tables", action="store_true",
                    help="with --json: keep every round's per-request block tables (prompt and final) "
                    "in the JSON, for `python -m kvpool locality --replay-tables`")
@@ -125,14 +139,44 @@ def _versions() -> dict[str, Any]:
     return out
 
 
+def output_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Path, Path | None]:
+    """The report's JSON path and the plot's (None: ``--no-plot``, or matplotlib is
+    missing and no ``--plot`` was asked for), checked before any work starts.
+
+    The defaults: ``replay-out/<workload or trace name>.json``, the plot next to it.
+    """
+    if args.no_plot and args.plot:
+        parser.error("--plot and --no-plot exclude each other")
+    name = Path(args.trace).stem if args.trace else args.workload
+    json_path = args.json if args.json is not None else Path(DEFAULT_OUT_DIR) / f"{name}.json"
+    try:
+        cliargs.check_writable(json_path)
+    except argparse.ArgumentTypeError as e:
+        parser.error(f"argument --json: {e}")
+    if args.no_plot:
+        return json_path, None
+    if args.plot is not None:
+        if not cliargs.have_matplotlib():
+            parser.error("argument --plot: matplotlib is not installed (pip install matplotlib)")
+        return json_path, args.plot
+    if not cliargs.have_matplotlib():
+        return json_path, None
+    plot_path = json_path.with_suffix(".png")
+    try:
+        cliargs.check_writable(plot_path)
+    except argparse.ArgumentTypeError as e:
+        parser.error(f"default plot path (next to --json): {e}; pass --plot PATH or --no-plot")
+    return json_path, plot_path
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.block_size < 1 or args.num_blocks < 2:
-        raise SystemExit("replay: --block-size must be >= 1 and --num-blocks >= 2")
-    if args.window_steps is not None and args.window_steps < 1:
-        raise SystemExit("replay: --window-steps must be >= 1")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.num_blocks < 2:
+        parser.error("argument --num-blocks: expected an integer >= 2")
     if args.save_tables and not args.json:
-        raise SystemExit("replay: --save-tables needs --json PATH (the tables go into the JSON)")
+        parser.error("--save-tables needs --json PATH (the tables go into the JSON)")
+    json_path, plot_path = output_paths(args, parser)
     # The replay never touches a device; vLLM still needs to know which platform it is on.
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -145,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.console import Console
 
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    # A terminal: its width. Piped or redirected: COLUMNS if set, else a readable 120.
+    console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else PIPED_WIDTH)
     err = Console(stderr=True)
 
     from kvpool.hf_offline import offline_hf_cache
@@ -206,14 +251,18 @@ def main(argv: list[str] | None = None) -> int:
             "modes": res["modes"],
             "comparison": driver.compare(res["modes"]),
         }
+        out["verdict"] = report.verdict(out)
+        # The results first: nothing that can fail after this loses them.
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        driver.write_json(json_path, out)
         if not args.quiet:
             report.render_tables(out, console)
             console.print(f"wall time {wall:.1f} s")
-        if args.json:
-            driver.write_json(args.json, out)
-            err.print(f"wrote {args.json}")
-        if args.plot:
-            report.plot(out, args.plot)
-            err.print(f"wrote {args.plot}")
+        err.print(f"wrote {json_path}")
+        if plot_path is not None:
+            report.plot(out, plot_path)
+            err.print(f"wrote {plot_path}")
+        for line in out["verdict"]:
+            console.print(line, highlight=False)
     skipped = [m for m, r in res["modes"].items() if "skipped" in r]
     return 1 if skipped else 0

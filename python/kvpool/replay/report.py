@@ -12,6 +12,15 @@ def _f(x: float | None, fmt: str = "{:.3f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def _mode_head(m: str) -> str:
+    # "kvpool+contiguous" over two lines ("kvpool" / "+contiguous"): narrower columns.
+    return f"[{_RICH.get(m, 'white')}]{m.replace('+', chr(10) + '+')}[/]"
+
+
+def _longest_word(cells) -> int:
+    return max((len(w) for c in cells for w in str(c).split()), default=1)
+
+
 def _us(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e6:.1f}"
 
@@ -34,32 +43,54 @@ def render_tables(report: dict[str, Any], console) -> None:
     deferred = any(x["deferred_frees"] for r in modes.values() for x in r["rounds"])
 
     def head(label: str, m: str) -> str:
-        return f"{label}\n[{_RICH.get(m, 'white')}]{m}[/]"
+        return f"{label}\n{_mode_head(m)}"
 
     def cell(r: dict[str, Any], i: int, key: str, fmt) -> str:
         rr = r["rounds"][i] if i < len(r["rounds"]) else {}
         v = rr.get(key)
         return fmt(v) if callable(fmt) else _f(v, fmt)
 
-    def per_round(title: str, columns: list[tuple[str, str, Any]]) -> Table:
-        t = Table(title=title, title_justify="left")
-        t.add_column("round", justify="right")
-        for label, _, _ in columns:
-            for m in modes:
-                t.add_column(head(label, m), justify="right")
-        for i in range(n):
-            row = [f"{i}{' (warmup)' if i < warm else ''}"]
-            for _, key, fmt in columns:
-                row += [cell(r, i, key, fmt) for r in modes.values()]
-            t.add_row(*row)
-        return t
+    def per_round(title: str, columns: list[tuple[str, str, Any]]) -> list[Table]:
+        # One table per group of metrics that fits the console: a metric's mode
+        # columns stay side by side, and no number is cut to "1409…".
+        def group_width(label: str, key: str, fmt) -> int:
+            w = 0
+            for m, r in modes.items():
+                cells = [cell(r, i, key, fmt) for i in range(n)]
+                w += max([len(c) for c in cells] + [len(label), *map(len, m.replace("+", " +").split())]) + 3
+            return w
+
+        first = max(len(f"{n - 1} (warmup)") if warm else len(str(n - 1)), len("round")) + 4
+        groups: list[list[tuple[str, str, Any]]] = [[]]
+        used = first
+        for col in columns:
+            w = group_width(*col)
+            if groups[-1] and used + w > console.width:
+                groups.append([])
+                used = first
+            groups[-1].append(col)
+            used += w
+        tables = []
+        for k, group in enumerate(groups):
+            t = Table(title=title if k == 0 else f"{title} (continued)", title_justify="left")
+            t.add_column("round", justify="right", no_wrap=True)
+            for label, _, _ in group:
+                for m in modes:
+                    t.add_column(head(label, m), justify="right", no_wrap=True)
+            for i in range(n):
+                row = [f"{i}{' (warmup)' if i < warm else ''}"]
+                for _, key, fmt in group:
+                    row += [cell(r, i, key, fmt) for r in modes.values()]
+                t.add_row(*row)
+            tables.append(t)
+        return tables
 
     console.print(
         f"[bold]{wl['name']}[/]: {wl['description']}\n"
         f"pool {cfg['num_blocks']} blocks x {cfg['block_size']} tokens, "
         f"max_model_len {cfg['max_model_len']}, seed {cfg['seed']}, vLLM {cfg.get('vllm_version')}"
     )
-    console.print(per_round(
+    console.print(*per_round(
         escape("block-table contiguity: fraction of adjacent logical blocks with id[i+1] == id[i]+1"),
         [("prompt", "contiguity", "{:.3f}"), ("whole table", "table_contiguity", "{:.3f}")],
     ))
@@ -70,21 +101,24 @@ def render_tables(report: dict[str, Any], console) -> None:
     ]
     if deferred:
         cols.append(("drain us/step", "drain_cpu_s_per_step", lambda v: "-" if v is None else f"{v * 1e6:.2f}"))
-    console.print(per_round("runs (blocks), descending pairs, scheduler CPU per step", cols))
+    console.print(*per_round("runs (blocks), descending pairs, scheduler CPU per step", cols))
 
     # Prefix cache and preemptions: vanilla's numbers, and per other mode whether its
     # round had exactly those (hit tokens, evicted hashes in order, preemptions).
     t = Table(title="prefix-cache hit tokens, evictions (cached blocks), preemptions; "
               "other modes: all three equal to vanilla's (evictions: same hashes, same order)",
               title_justify="left")
-    t.add_column("round", justify="right")
     ref_mode = "vanilla" if "vanilla" in modes else next(iter(modes))
-    for label in ("hit tokens", "evictions", "preemptions"):
-        t.add_column(head(label, ref_mode), justify="right")
+    ref = modes[ref_mode]["rounds"]
+    t.add_column("round", justify="right", no_wrap=True)
+    for label, key in (("hit tokens", "prefix_cache_hit_tokens"), ("evictions", "evictions"),
+                       ("preemptions", "preemptions")):
+        words = [str(x.get(key, "-")) for x in ref] + label.split() + [ref_mode]
+        t.add_column(head(label, ref_mode), justify="right", overflow="fold", min_width=_longest_word(words))
     others = [m for m in modes if m != ref_mode]
     for m in others:
-        t.add_column(head(f"= {ref_mode}", m), justify="center")
-    ref = modes[ref_mode]["rounds"]
+        t.add_column(head(f"= {ref_mode}", m), justify="center", overflow="fold",
+                     min_width=_longest_word([ref_mode, *m.replace("+", " +").split()]))
     for i in range(n):
         rr = ref[i] if i < len(ref) else {}
         row = [str(i), str(rr.get("prefix_cache_hit_tokens", "-")), str(rr.get("evictions", "-")),
@@ -114,20 +148,17 @@ def render_tables(report: dict[str, Any], console) -> None:
         console.print(t)
 
     cmp_ = report.get("comparison", {})
-    s = Table(title="per mode, all rounds", title_justify="left")
-    s.add_column("")
-    for m in modes:
-        s.add_column(f"[{_RICH.get(m, 'white')}]{m}[/]", justify="right")
+    summary_rows: list[list[str]] = []
 
     def row(label: str, fn) -> None:
-        s.add_row(label, *[fn(m, r, cmp_.get(m, {})) for m, r in modes.items()])
+        summary_rows.append([label, *[fn(m, r, cmp_.get(m, {})) for m, r in modes.items()]])
 
     def total(key: str):
         return lambda m, r, c: str(sum(x[key] for x in r["rounds"]))
 
     def pool_class(m, r, c):
         name = r["info"]["block_pool_class"]
-        return f"{name.split('.', 1)[0]}:{name.rsplit('.', 1)[-1]}"
+        return f"{name.split('.', 1)[0]}: {name.rsplit('.', 1)[-1]}"
 
     row("block pool (package:class)", pool_class)
     row("engine steps", total("num_steps"))
@@ -176,16 +207,87 @@ def render_tables(report: dict[str, Any], console) -> None:
         row("drain after the last window (steps)", lambda m, r, c: str(r["info"].get("drain", {}).get("steps", "-")))
         row("blocks not freed after the drain",
             lambda m, r, c: str(r["info"].get("drain", {}).get("leaked_blocks", "-")))
+    # Cells wrap between words when the console is narrow, never inside one: each
+    # column is at least as wide as its longest word, so no value is cut to "1409…".
+    s = Table(title="per mode, all rounds", title_justify="left")
+    s.add_column("", overflow="fold", min_width=min(12, _longest_word(x[0] for x in summary_rows)))
+    for k, m in enumerate(modes, start=1):
+        s.add_column(_mode_head(m), justify="right", overflow="fold",
+                     min_width=_longest_word([x[k] for x in summary_rows] + m.replace("+", " +").split()))
+    for x in summary_rows:
+        s.add_row(*x)
     console.print(s)
 
 
-#: Plot styles: kvpool (no reorder) is drawn thin on top of a wide vanilla line, so
-#: identical curves stay visible as identical.
+#: Prompt contiguity at or above this in every round counts as "held" in the verdict.
+HELD_CONTIGUITY = 0.99
+
+
+def verdict(report: dict[str, Any]) -> list[str]:
+    """One or two lines saying what the run showed: which modes' prompt-block contiguity
+    collapsed (from what to what, from which round) and which held (their minimum), then
+    whether prefix-cache hits, evictions and preemptions were vanilla's and the
+    scheduler CPU per step relative to vanilla's.
+
+    Returns:
+        ``list[str]`` of 1-2 plain-text lines (no markup); ``[]`` when no mode ran.
+    """
+    modes = {m: r for m, r in report["modes"].items() if "rounds" in r}
+    if not modes:
+        return []
+    cmp_ = report.get("comparison", {})
+    held: list[str] = []
+    collapsed: dict[str, list[str]] = {}
+    for m, r in modes.items():
+        series = [(x["round"], x["contiguity"]) for x in r["rounds"] if x.get("contiguity") is not None]
+        if not series:
+            continue
+        low = min(c for _, c in series)
+        if low >= HELD_CONTIGUITY:
+            held.append(f"{m} (min {low:.3f})")
+            continue
+        first_low = next(i for i, c in series if c < HELD_CONTIGUITY)
+        what = (f"{series[0][1]:.3f} -> {low:.3f}, below {HELD_CONTIGUITY} from round {first_low} "
+                f"of {len(r['rounds'])}")
+        collapsed.setdefault(what, []).append(m)
+    parts = [f"collapsed: {', '.join(ms)} (prompt contiguity {what})" for what, ms in collapsed.items()]
+    if held:
+        n = max(len(r["rounds"]) for r in modes.values())
+        parts.append(f"held: {', '.join(held)} over {n} rounds")
+    lines = ["verdict: " + "; ".join(parts) + "."] if parts else []
+    same, differ, ratios = [], [], []
+    for m, c in cmp_.items():
+        if m not in modes or c.get("rounds_compared") is None:
+            continue
+        k, n = c.get("rounds_cache_equal_to_vanilla"), c["rounds_compared"]
+        (same if k == n else differ).append(m if k == n else f"{m} {k}/{n} rounds")
+        if c.get("sched_cpu_ratio_vs_vanilla"):
+            ratios.append(c["sched_cpu_ratio_vs_vanilla"])
+    second = []
+    if same:
+        second.append(f"hits/evictions/preemptions = vanilla's in every round for {', '.join(same)}")
+    if differ:
+        second.append(f"differ from vanilla's: {', '.join(differ)}")
+    if ratios:
+        span = f"{min(ratios):.2f}x" if f"{min(ratios):.2f}" == f"{max(ratios):.2f}" else \
+            f"{min(ratios):.2f}-{max(ratios):.2f}x"
+        second.append(f"scheduler CPU per step {span} vanilla's")
+    if second:
+        lines.append("         " + "; ".join(second) + ".")
+    return lines
+
+
+#: Plot styles. Any two modes may draw the same curve (vanilla / kvpool: same allocation
+#: order; kvpool+reorder / kvpool+contiguous: both at 1.0; any pair in the CPU panel), so
+#: every mode has its own line style and marker and the widths fall strictly with the
+#: drawing order: whichever two coincide, the upper line is the thinner and both show.
 _PLOT = {
-    "vanilla": {"color": "tab:red", "lw": 5, "alpha": 0.45, "marker": "o", "ms": 9},
-    "kvpool": {"color": "tab:orange", "lw": 1.5, "alpha": 1.0, "marker": "x", "ms": 7},
-    "kvpool+reorder": {"color": "tab:green", "lw": 2, "alpha": 1.0, "marker": "s", "ms": 5},
-    "kvpool+contiguous": {"color": "tab:blue", "lw": 2, "alpha": 1.0, "marker": "^", "ms": 6},
+    "kvpool+reorder": {"color": "tab:green", "lw": 8, "alpha": 0.35, "ls": "-", "marker": "s", "ms": 11,
+                       "zorder": 1},
+    "vanilla": {"color": "tab:red", "lw": 5, "alpha": 0.5, "ls": "-", "marker": "o", "ms": 8, "zorder": 2},
+    "kvpool+contiguous": {"color": "tab:blue", "lw": 2.5, "alpha": 0.9, "ls": ":", "marker": "^", "ms": 6,
+                          "zorder": 3},
+    "kvpool": {"color": "tab:orange", "lw": 1.2, "alpha": 1.0, "ls": "--", "marker": "x", "ms": 6, "zorder": 4},
 }
 
 
@@ -197,6 +299,16 @@ def first_wrap_round(rounds: list[dict[str, Any]], num_blocks: int) -> int | Non
 
 def plot(report: dict[str, Any], path: str | Path) -> None:
     """Write a PNG: prompt contiguity, whole-table contiguity and scheduler CPU per round."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(report)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def figure(report: dict[str, Any]):
+    """The matplotlib ``Figure`` :func:`plot` writes: three panels over the rounds, one
+    legend below them (never over a curve)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -206,40 +318,26 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     modes = {m: r for m, r in report["modes"].items() if "rounds" in r}
     wl, cfg = report["workload"], report["config"]
     cmp_ = report.get("comparison", {})
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.4))
     panels = (
         ("contiguity", "prompt blocks (after prefill)"),
         ("table_contiguity", "whole block table (at finish)"),
     )
     for ax, (key, what) in zip(axes, panels):
         for m, r in modes.items():
-            st = _PLOT.get(m, {})
-            label = m
-            c = cmp_.get(m, {})
-            if c.get("rounds_identical_to_vanilla") == len(r["rounds"]):
-                label += " (tables identical to vanilla)"
-            elif c.get("rounds_cache_equal_to_vanilla") == len(r["rounds"]):
-                label += " (hits/evictions/preemptions = vanilla)"
             ys = [float("nan") if x[key] is None else x[key] for x in r["rounds"]]
-            ax.plot([x["round"] for x in r["rounds"]], ys, "-", label=label, **st)
+            ax.plot([x["round"] for x in r["rounds"]], ys, label=m, **_PLOT.get(m, {}))
         ax.set_title(f"{what}: id[i+1] == id[i] + 1", fontsize=10)
         ax.set_ylabel("fraction of adjacent logical blocks")
-        ax.set_ylim(-0.03, 1.05)
+        ax.set_ylim(-0.05, 1.08)
     base = modes.get("vanilla")
-    if base is not None:
-        wrap = first_wrap_round(base["rounds"], cfg["num_blocks"])
-        if wrap is not None:
-            for ax in axes[:2]:
-                ax.axvline(wrap, color="grey", ls=":", lw=1)
-            axes[0].annotate(
-                "vanilla reaches the last block id:\nlater allocations reuse freed blocks",
-                xy=(wrap, 0.5), xytext=(6, 0), textcoords="offset points", fontsize=8, color="dimgrey",
-                bbox={"fc": "white", "ec": "none", "alpha": 0.85},
-            )
+    wrap = None if base is None else first_wrap_round(base["rounds"], cfg["num_blocks"])
+    if wrap is not None:
+        for ax in axes[:2]:
+            ax.axvline(wrap, color="grey", ls=":", lw=1, label="_wrap")
     for m, r in modes.items():
-        st = _PLOT.get(m, {})
         axes[2].plot([x["round"] for x in r["rounds"]], [x["sched_cpu_s_per_step"] * 1e6 for x in r["rounds"]],
-                     "-", label=m, **st)
+                     label=m, **_PLOT.get(m, {}))
     axes[2].set_title("scheduler CPU per step (schedule + update_from_output)", fontsize=10)
     axes[2].set_ylabel("microseconds")
     axes[2].set_ylim(bottom=0)
@@ -247,12 +345,27 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
         ax.set_xlabel("round")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower left")
+    handles, _ = axes[0].get_legend_handles_labels()
+    labels = []
+    for m, r in modes.items():
+        c = cmp_.get(m, {})
+        if c.get("rounds_identical_to_vanilla") == len(r["rounds"]):
+            m += " (tables identical to vanilla)"
+        elif c.get("rounds_cache_equal_to_vanilla") == len(r["rounds"]):
+            m += " (hits/evictions/preemptions = vanilla)"
+        labels.append(m)
+    handles = handles[:len(labels)]
+    if wrap is not None:
+        from matplotlib.lines import Line2D
+
+        handles.append(Line2D([], [], color="grey", ls=":", lw=1))
+        labels.append(f"round {wrap}: vanilla reaches the last block id (later allocations reuse freed blocks)")
+    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8, frameon=False)
     fig.suptitle(
         f"kvpool replay, workload {wl['name']}: {cfg['num_blocks']} blocks x {cfg['block_size']} tokens, "
         f"vLLM {cfg.get('vllm_version')}, seed {cfg['seed']}",
         fontsize=11,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    rows = -(-len(labels) // min(3, len(labels))) if labels else 0
+    fig.tight_layout(rect=(0, 0.05 * rows + 0.02, 1, 1))
+    return fig

@@ -1,0 +1,74 @@
+"""``python -m kvpool info``: versions, install state and the effective configuration.
+
+Each ``KVPOOL_*`` setting is printed with its value and where it came from: the
+environment, the default, or an ``install()`` argument (in this process). A value
+kvpool does not accept is printed with its error, and the command exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvpool import envs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m kvpool info",
+        description="Print kvpool's and vLLM's versions, whether the vLLM plugin is registered, "
+        "and every KVPOOL_* setting with its effective value and its source "
+        "(environment, default, install argument). Exit status 2 if a setting is invalid.",
+    )
+    p.add_argument("--json", action="store_true", help="print the same as one JSON object")
+    return p
+
+
+def settings(arguments: dict[str, Any] | None = None) -> list[envs.Setting]:
+    """:func:`kvpool.envs.effective` with the ``install()`` arguments of this process."""
+    if arguments is None:
+        mod = sys.modules.get("kvpool.patching")
+        arguments = mod.installed_arguments() if mod is not None else {}
+    return envs.effective(arguments)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "-" if value is None else str(value)
+
+
+def render(rows: list[envs.Setting]) -> str:
+    """The settings as aligned text lines: name, value, source (and the error)."""
+    width = max(len(r.name) for r in rows)
+    lines = ["settings (KVPOOL_*; value, source):"]
+    for r in rows:
+        if r.error:
+            lines.append(f"  {r.name:<{width}}  INVALID {r.raw!r}: {r.error}")
+        else:
+            raw = f" ({r.raw!r})" if r.source == "environment" else ""
+            lines.append(f"  {r.name:<{width}}  {_show(r.value)}  [{r.source}{raw}]")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from kvpool.vllm_compat import describe
+
+    rows = settings()
+    if args.json:
+        out = {
+            "describe": describe().splitlines(),
+            "settings": {r.name: {"value": r.value, "source": r.source, "raw": r.raw, "error": r.error}
+                         for r in rows},
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        print(describe())
+        mod = sys.modules.get("kvpool.patching")
+        for name, why in (mod.skipped_patches() if mod is not None else {}).items():
+            print(f"patch skipped on this untested vLLM: {name} ({why})")
+        print(render(rows))
+    return 2 if any(r.error for r in rows) else 0
