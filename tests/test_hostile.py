@@ -107,9 +107,16 @@ def _drive(scheduler, prompts, steps=4):
     return trace
 
 
-def _scheduler_with(pool_class, monkeypatch):
-    monkeypatch.setattr(kv_cache_coordinator, "BlockPool", pool_class)
-    return make_scheduler(num_blocks=64, enable_prefix_caching=True)
+def _scheduler_with(pool_class, monkeypatch=None):
+    # The coordinator builds its pool from this module name; it is swapped only while
+    # the scheduler is built, so kvpool's install()/uninstall() never see the test's
+    # class as vLLM's binding.
+    saved = kv_cache_coordinator.BlockPool
+    kv_cache_coordinator.BlockPool = pool_class
+    try:
+        return make_scheduler(num_blocks=64, enable_prefix_caching=True)
+    finally:
+        kv_cache_coordinator.BlockPool = saved
 
 
 PROMPTS = [list(range(1, 40)), list(range(1, 40)), list(range(100, 150))]
