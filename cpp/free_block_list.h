@@ -280,7 +280,9 @@ class FreeBlockList {
   // The relinking half of rebuild_uncached_canonical: `order` holds the uncached free
   // slots ascending (the first num_uncached) and then the LRU ones. Cannot throw.
   void link_uncached_canonical(const std::vector<int32_t>& order, size_t num_uncached) noexcept;
-  std::vector<int32_t> uncached_canonical_order(size_t* num_uncached) const;
+  // The free slots for link_uncached_canonical, by the segments in `lru` (per slot).
+  std::vector<int32_t> uncached_canonical_order(const std::vector<uint8_t>& lru,
+                                                size_t* num_uncached) const;
   // kContiguous: unlink the uncached slots [start, start + len), which are adjacent
   // nodes of the sorted uncached segment, in one splice; their slots go to out.
   void unlink_uncached_run(int32_t start, int32_t len, int32_t* out) {
@@ -631,14 +633,7 @@ inline void FreeBlockList::set_order(Order order) {
     uncached = SlotBitmap(capacity_);
     reserved = SlotBitmap(capacity_);
     owner_of.assign(static_cast<size_t>(capacity_), 0);
-    lru.swap(lru_);  // uncached_canonical_order reads the new segments
-    try {
-      order_slots = uncached_canonical_order(&num_uncached);
-    } catch (...) {
-      lru.swap(lru_);
-      throw;
-    }
-    lru.swap(lru_);
+    order_slots = uncached_canonical_order(lru, &num_uncached);  // by the new segments
   }
   order_ = order;
   lru_.swap(lru);
@@ -827,14 +822,15 @@ inline void FreeBlockList::take(int32_t n, int32_t hint, int32_t owner, int32_t 
   if (new_owner && owner_extents->empty()) extents_.erase(owner);
 }
 
-inline std::vector<int32_t> FreeBlockList::uncached_canonical_order(size_t* num_uncached) const {
+inline std::vector<int32_t> FreeBlockList::uncached_canonical_order(const std::vector<uint8_t>& lru,
+                                                                    size_t* num_uncached) const {
   std::vector<int32_t> order;
   order.reserve(static_cast<size_t>(size_));  // the only allocation
   for (int32_t s = 0; s < capacity_; ++s)
-    if (prev_[s + kFirst] >= 0 && !lru_[s]) order.push_back(s);
+    if (prev_[s + kFirst] >= 0 && !lru[s]) order.push_back(s);
   *num_uncached = order.size();
   for (int32_t node = next_[kHead]; node != kTail; node = next_[node])
-    if (lru_[node - kFirst]) order.push_back(node - kFirst);
+    if (lru[node - kFirst]) order.push_back(node - kFirst);
   return order;
 }
 
@@ -853,7 +849,7 @@ inline void FreeBlockList::link_uncached_canonical(const std::vector<int32_t>& o
 inline void FreeBlockList::rebuild_uncached_canonical() {
   if (order_ == kVllmOrder) throw InvalidBlockState("the free list does not track its segments");
   size_t num_uncached = 0;
-  std::vector<int32_t> order = uncached_canonical_order(&num_uncached);
+  std::vector<int32_t> order = uncached_canonical_order(lru_, &num_uncached);
   link_uncached_canonical(order, num_uncached);
 }
 

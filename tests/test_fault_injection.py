@@ -37,7 +37,8 @@ def failmalloc(tmp_path_factory) -> Path:
     return out
 
 
-def run_sweep(shim: Path, *operations: str) -> subprocess.CompletedProcess:
+def child_env(shim: Path) -> dict[str, str]:
+    """The environment of a child interpreter with the shim preloaded."""
     env = dict(os.environ)
     preload = env.get("LD_PRELOAD", "").split()
     # The shim first: under ASan, its malloc/new forward to the ASan runtime's.
@@ -47,7 +48,11 @@ def run_sweep(shim: Path, *operations: str) -> subprocess.CompletedProcess:
     env["PYTHONMALLOC"] = "malloc"  # every Python object from malloc, so failable
     env["KVPOOL_FAILMALLOC"] = str(shim)
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    return subprocess.run([sys.executable, str(SWEEP), *operations], env=env,
+    return env
+
+
+def run_sweep(shim: Path, *operations: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SWEEP), *operations], env=child_env(shim),
                           capture_output=True, text=True, timeout=900)
 
 
@@ -65,11 +70,8 @@ def test_the_shim_fails_exactly_the_armed_allocation(failmalloc):
         "assert lib.kvpool_fault_disarm() == 1\n"
         "x = [0] * 100000\n"
         "print('ok')\n")
-    env = dict(os.environ, LD_PRELOAD=" ".join([str(failmalloc), *os.environ.get("LD_PRELOAD", "").split()]),
-               PYTHONMALLOC="malloc", KVPOOL_FAILMALLOC=str(failmalloc))
-    if "libasan" in os.environ.get("LD_PRELOAD", ""):
-        env["ASAN_OPTIONS"] = os.environ.get("ASAN_OPTIONS", "") + ":verify_asan_link_order=0"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], env=child_env(failmalloc),
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
 
 

@@ -107,7 +107,7 @@ def _drive(scheduler, prompts, steps=4):
     return trace
 
 
-def _scheduler_with(pool_class, monkeypatch=None):
+def _scheduler_with(pool_class):
     # The coordinator builds its pool from this module name; it is swapped only while
     # the scheduler is built, so kvpool's install()/uninstall() never see the test's
     # class as vLLM's binding.
@@ -122,19 +122,19 @@ def _scheduler_with(pool_class, monkeypatch=None):
 PROMPTS = [list(range(1, 40)), list(range(1, 40)), list(range(100, 150))]
 
 
-def test_a_subclass_that_skips_init_runs_like_it_does_on_vllm(monkeypatch):
+def test_a_subclass_that_skips_init_runs_like_it_does_on_vllm():
     # vLLM alone: the subclass over vLLM's classes.
     class VllmElastic(VllmBlockPool):
         def __init__(self, *args, **kwargs):
             VllmBlockPool.__init__(self, *args, **kwargs)
 
-    vanilla = _scheduler_with(VllmElastic, monkeypatch)
+    vanilla = _scheduler_with(VllmElastic)
     want = _drive(vanilla, PROMPTS)
     want_free = vanilla.kv_cache_manager.block_pool.get_num_free_blocks()
 
     kvpool.install()
     try:
-        scheduler = _scheduler_with(ElasticPool, monkeypatch)
+        scheduler = _scheduler_with(ElasticPool)
         pool = scheduler.kv_cache_manager.block_pool
         assert type(pool) is ElasticPool and not pool._kvpool_native
         assert _drive(scheduler, PROMPTS) == want
@@ -257,12 +257,12 @@ def test_malformed_table_counters_are_refused_before_anything_is_taken():
     assert pool.get_num_free_blocks() == 31  # once: 5 blocks taken, then lost
 
 
-def test_a_subclass_that_skips_init_frees_deferred_blocks_like_vllm(monkeypatch):
+def test_a_subclass_that_skips_init_frees_deferred_blocks_like_vllm():
     from vllm.v1.request import RequestStatus
 
     kvpool.install()
     try:
-        scheduler = _scheduler_with(ElasticPool, monkeypatch)
+        scheduler = _scheduler_with(ElasticPool)
         pool = scheduler.kv_cache_manager.block_pool
         scheduler.defer_block_free = True  # async scheduling with a KV consumer
         scheduler.add_request(make_request("r", list(range(40))))

@@ -445,28 +445,15 @@ cdef class FencedDeferredFreeQueue:
 
 
 # -- the deferred queue's tp_traverse: its owner and loose tables are internal -------------
-# Like the free queue's block table: the lists and the index dict are untracked and the
-# collector (and gc.get_referents) gets their items, the owner queues and loose blocks,
-# never the containers, so no Python code can edit the handles' meaning.
+# Like the free queue's block table (_queue_traverse): the lists and the index dict are
+# untracked, and the collector (and gc.get_referents) gets the owner queues and loose
+# blocks, never the containers, so no Python code can edit what the handles mean.
 cdef traverseproc _deferred_generated_traverse = NULL
-
-
-cdef struct _SkipThree:
-    visitproc visit
-    void* arg
-    PyObject* skip[3]
-
-
-cdef int _visit_skipping_three(PyObject* o, void* arg) noexcept:
-    cdef _SkipThree* sv = <_SkipThree*>arg
-    if o == sv.skip[0] or o == sv.skip[1] or o == sv.skip[2]:
-        return 0
-    return sv.visit(o, sv.arg)
 
 
 cdef int _deferred_traverse(PyObject* o, visitproc visit, void* arg) noexcept:
     cdef FencedDeferredFreeQueue q = <FencedDeferredFreeQueue>o
-    cdef _SkipThree sv
+    cdef _SkipVisit sv
     cdef int r
     sv.visit = visit
     sv.arg = arg
@@ -479,16 +466,8 @@ cdef int _deferred_traverse(PyObject* o, visitproc visit, void* arg) noexcept:
     r = _visit_items(sv.skip[2], visit, arg)
     if r:
         return r
-    return _deferred_generated_traverse(o, _visit_skipping_three, &sv)
+    return _deferred_generated_traverse(o, _visit_skipping, &sv)
 
 
-cdef _install_deferred_traverse():
-    cdef _GCTypeObject* tp = <_GCTypeObject*>FencedDeferredFreeQueue
-    global _deferred_generated_traverse
-    if tp.tp_traverse != _deferred_traverse:
-        _deferred_generated_traverse = tp.tp_traverse
-        tp.tp_traverse = _deferred_traverse
-        PyType_Modified(<_TypeObject*>tp)
-
-
-_install_deferred_traverse()
+_deferred_generated_traverse = _install_traverse(
+    FencedDeferredFreeQueue, _deferred_traverse, _deferred_generated_traverse)

@@ -624,55 +624,21 @@ cdef class FreeKVCacheBlockQueue:
         self._list.check_invariants()
 
 
-# -- the queue's tp_traverse: blocks, not the block table --------------------------------
-cdef traverseproc _queue_generated_traverse = NULL
-
+# -- tp_traverse of the queues: their internal tables are visited item by item ------------
+# A table the native loops read (an untracked list, see _untracked) is never handed to the
+# collector or to gc.get_referents: its items are, one by one, and the list itself is
+# skipped in Cython's generated traverse, so the collector still sees every object held.
 cdef struct _SkipVisit:
     visitproc visit
     void* arg
-    PyObject* skip
+    PyObject* skip[3]
 
 
 cdef int _visit_skipping(PyObject* o, void* arg) noexcept:
     cdef _SkipVisit* sv = <_SkipVisit*>arg
-    if o == sv.skip:
+    if o == sv.skip[0] or o == sv.skip[1] or o == sv.skip[2]:
         return 0
     return sv.visit(o, sv.arg)
-
-
-cdef int _queue_traverse(PyObject* o, visitproc visit, void* arg) noexcept:
-    # Cython's generated traverse, except that the block table (an untracked list,
-    # see _untracked) is visited item by item: the collector still sees every
-    # block the queue holds, and gc.get_referents(queue) never returns the list.
-    cdef PyObject* table = <PyObject*>(<FreeKVCacheBlockQueue>o)._blocks
-    cdef PyObject** items
-    cdef Py_ssize_t i
-    cdef int r
-    cdef _SkipVisit sv
-    sv.visit = visit
-    sv.arg = arg
-    sv.skip = NULL
-    if table != NULL and _PyList_CheckExact(table):
-        sv.skip = table
-        items = kvpool_list_items(table)
-        for i in range(_Py_SIZE(table)):
-            if items[i] != NULL:
-                r = visit(items[i], arg)
-                if r:
-                    return r
-    return _queue_generated_traverse(o, _visit_skipping, &sv)
-
-
-cdef _install_queue_traverse():
-    cdef _GCTypeObject* tp = <_GCTypeObject*>FreeKVCacheBlockQueue
-    global _queue_generated_traverse
-    if tp.tp_traverse != _queue_traverse:
-        _queue_generated_traverse = tp.tp_traverse
-        tp.tp_traverse = _queue_traverse
-        PyType_Modified(<_TypeObject*>tp)
-
-
-_install_queue_traverse()
 
 
 cdef int _visit_items(PyObject* table, visitproc visit, void* arg) noexcept:
@@ -689,6 +655,38 @@ cdef int _visit_items(PyObject* table, visitproc visit, void* arg) noexcept:
             if r:
                 return r
     return 0
+
+
+cdef traverseproc _queue_generated_traverse = NULL
+
+
+cdef int _queue_traverse(PyObject* o, visitproc visit, void* arg) noexcept:
+    cdef _SkipVisit sv
+    cdef int r
+    sv.visit = visit
+    sv.arg = arg
+    sv.skip[0] = <PyObject*>(<FreeKVCacheBlockQueue>o)._blocks
+    sv.skip[1] = sv.skip[2] = NULL
+    r = _visit_items(sv.skip[0], visit, arg)
+    if r:
+        return r
+    return _queue_generated_traverse(o, _visit_skipping, &sv)
+
+
+cdef traverseproc _install_traverse(object cls, traverseproc own, traverseproc generated):
+    # Put `own` in the type's tp_traverse; returns the generated one it calls (already
+    # installed: `generated`, as it was).
+    cdef _GCTypeObject* tp = <_GCTypeObject*>cls
+    if tp.tp_traverse == own:
+        return generated
+    generated = tp.tp_traverse
+    tp.tp_traverse = own
+    PyType_Modified(<_TypeObject*>tp)
+    return generated
+
+
+_queue_generated_traverse = _install_traverse(
+    FreeKVCacheBlockQueue, _queue_traverse, _queue_generated_traverse)
 
 
 def make_pool_blocks(object pool, int num_blocks):
