@@ -94,6 +94,30 @@ void FencedFreeQueue::discard_front(size_t k) {
   if (k) compact();
 }
 
+size_t FencedFreeQueue::discard_back() noexcept {
+  size_t removed = 0;
+  while (!entries_.empty()) {
+    const Entry e = entries_.back();
+    entries_.pop_back();
+    // The last entry's handles end the buffer: shrinking it cannot throw.
+    buffer_.resize(e.begin);
+    num_blocks_ -= e.end - e.begin;
+    ++removed;
+    if (!e.joined) {
+      --num_heads_;
+      break;
+    }
+  }
+  if (removed) {
+    ++version_;
+    if (entries_.empty()) {
+      buffer_.clear();
+      head_offset_ = 0;
+    }
+  }
+  return removed;
+}
+
 void FencedFreeQueue::clear() {
   ++version_;
   entries_.clear();

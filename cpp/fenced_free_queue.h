@@ -56,6 +56,10 @@ class FencedFreeQueue {
   void pop_front(std::vector<int64_t>& out);
   // Remove the first k entries (k <= num_entries()) without copying them out.
   void discard_front(size_t k);
+  // Remove the last request's entry (its first part and the parts joined to it),
+  // undoing the push or push_parts that queued it. Returns the number of parts
+  // removed (0 when the queue is empty). Never throws.
+  size_t discard_back() noexcept;
 
   size_t num_entries() const { return entries_.size(); }
   // Entries that are not joined to the one before: requests, as a deque would count them.

@@ -478,3 +478,26 @@ def test_a_finalizer_pushing_while_the_deferred_tables_reset_sees_fresh_tables()
     assert q.entries()[0][1][0] is a[0]
     assert q.free_ready(0, pool_a) == 1
     assert a[0].ref_cnt == 0 and b[0].ref_cnt == 1 and b[0] not in pool_b.free_block_queue
+
+
+def test_a_refused_unpin_changes_no_ref_cnt_and_no_watcher():
+    pool = BlockPool(10, True, 16)
+    blocks = pool.get_new_blocks(3)
+    blocks[0].ref_cnt = 5000  # beyond the interpreter's cached ints
+    earlier = lambda blk: None  # noqa: E731 - a watcher registered before
+    pool._reuse_watchers[blocks[1].block_id] = earlier
+    for bad, error in ([pool.null_block], BlockStateError), ([KVCacheBlock(7)], BlockStateError):
+        with pytest.raises(error):
+            pool.unpin_blocks(blocks + bad, print)
+        assert [b.ref_cnt for b in blocks] == [5000, 1, 1]
+        assert pool._reuse_watchers == {blocks[1].block_id: earlier}
+        assert pool.get_num_free_blocks() == 6
+    # A block_id that is not an int could run Python code from the watcher table.
+    blocks[2].block_id = 2.0
+    with pytest.raises(TypeError, match="block_id must be an int, got float"):
+        pool.unpin_blocks(blocks, print)
+    assert [b.ref_cnt for b in blocks] == [5000, 1, 1] and pool.get_num_free_blocks() == 6
+    blocks[2].block_id = 3
+    pool.unpin_blocks(blocks, print)
+    assert [b.ref_cnt for b in blocks] == [4999, 0, 0] and pool.get_num_free_blocks() == 8
+    assert sorted(pool._reuse_watchers) == [1, 2, 3] and pool._reuse_watchers[2] is print

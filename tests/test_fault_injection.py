@@ -20,6 +20,7 @@ import pytest
 
 HERE = Path(__file__).parent
 SHIM = HERE / "native" / "failmalloc.cpp"
+DEFERRED = HERE / "native" / "deferred_fault.py"
 SWEEP = HERE / "native" / "fault_sweep.py"
 #: Operations that allocate nothing at all (their sweep ends at k=0): the free and
 #: touch loops work in place.
@@ -81,9 +82,10 @@ def test_the_shim_fails_exactly_the_armed_allocation(failmalloc):
      "get_new_blocks_extent"),
     ("free_blocks", "free_blocks_pool", "free_blocks_contiguous", "touch", "touch_contiguous"),
     ("set_order_contiguous", "set_order_segments", "reorder", "reorder_pool", "reorder_contiguous",
-     "rebuild_uncached", "reset_prefix_cache"),
+     "rebuild_uncached", "reset_prefix_cache", "reset_prefix_cache_contiguous"),
     ("lists", "deferred_push_groups", "deferred_free_ready", "deferred_drain"),
-], ids=["creation", "allocation", "free-touch", "orders-reorder", "lists-deferred"])
+    ("free_refused_big_refs", "touch_refused_big_refs", "unpin_refused_big_refs", "unpin", "unpin_contiguous"),
+], ids=["creation", "allocation", "free-touch", "orders-reorder", "lists-deferred", "undo-unpin"])
 def test_a_failed_allocation_anywhere_leaves_the_pool_as_it_was(failmalloc, operations):
     done = run_sweep(failmalloc, *operations)
     last = done.stdout.strip().splitlines()[-1:] or ["(nothing)"]
@@ -103,3 +105,17 @@ def test_a_failed_allocation_anywhere_leaves_the_pool_as_it_was(failmalloc, oper
     # fails would report 0 points everywhere and fail here).
     points = [int(line.split(": ")[1].split()[0]) for line in done.stdout.splitlines() if line.startswith("OK ")]
     assert sum(points) >= 1 or set(operations) <= ALLOCATION_FREE, done.stdout
+
+
+@pytest.mark.skipif(hasattr(sys, "gettotalrefcount"),
+                    reason="the armed call is Python code (CPython's debug build asserts there)")
+@pytest.mark.parametrize("hybrid", [False, True], ids=["one-group", "two-groups"])
+def test_a_failed_allocation_in_the_schedulers_deferred_free_loses_no_block(failmalloc, hybrid):
+    # Scheduler._free_request_blocks with a dispatched step in flight: the request's
+    # blocks go to the deferred-free queue. Before kvpool queued them before popping
+    # the request's tables, a MemoryError there lost them (break-it C9).
+    done = subprocess.run([sys.executable, str(DEFERRED), *(["--hybrid"] if hybrid else [])],
+                          env=child_env(failmalloc), capture_output=True, text=True, timeout=900)
+    last = done.stdout.strip().splitlines()[-1:] or ["(nothing)"]
+    assert done.returncode == 0, f"rc {done.returncode} at {last[0]}\n{done.stderr[-4000:]}"
+    assert last[0].startswith("OK ") and int(last[0].split(": ")[1].split()[0]) >= 5, done.stdout[-2000:]

@@ -274,3 +274,84 @@ def test_a_subclass_that_skips_init_frees_deferred_blocks_like_vllm():
         assert pool.get_num_free_blocks() == 63 and not scheduler.deferred_frees
     finally:
         kvpool.uninstall()
+
+
+# -- a subclass that rebuilds free_block_queue while requests hold blocks -----------------
+def _reordering(base):
+    """The RFC's reorder body as a pool method (vLLM #40244, Option A, as users wrote
+    it before kvpool): a new free queue over the free blocks sorted by id, built from
+    whatever ``FreeKVCacheBlockQueue`` vLLM's module names (kvpool's once installed)."""
+    from vllm.v1.core import kv_cache_utils
+
+    class ReorderingPool(base):
+        def reorder_free_queue(self):
+            free = sorted((b for b in self.blocks if b.ref_cnt == 0 and not b.is_null),
+                          key=lambda b: b.block_id)
+            self.free_block_queue = kv_cache_utils.FreeKVCacheBlockQueue(free)
+
+    return ReorderingPool
+
+
+def _drive_with_reorder(scheduler, defer: bool):
+    # Requests hold blocks when the queue is rebuilt, and finish afterwards (with a
+    # step in flight when `defer`: their blocks wait in the deferred-free queue).
+    from vllm.v1.request import RequestStatus
+
+    pool = scheduler.kv_cache_manager.block_pool
+    scheduler.defer_block_free = defer
+    for i, prompt in enumerate([list(range(1, 40)), list(range(100, 170)), list(range(1, 40))]):
+        scheduler.add_request(make_request(f"r{i}", prompt, max_tokens=6))
+    trace = []
+    for step in range(12):
+        if step == 2:
+            pool.reorder_free_queue()
+        if step == 4 and "r1" in scheduler.requests:
+            scheduler.finish_requests("r1", RequestStatus.FINISHED_ABORTED)
+        out = scheduler.schedule()
+        trace.append(sorted((r.req_id, tuple(map(tuple, r.block_ids))) for r in out.scheduled_new_reqs))
+        scheduler.update_from_output(out, runner_output(out))
+        if defer:
+            scheduler.processed_step_seq = scheduler.sched_step_seq
+            scheduler._drain_deferred_frees()
+    return trace, pool.get_num_free_blocks(), len(scheduler.requests)
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+def test_a_subclass_that_rebuilds_the_free_queue_while_blocks_are_held_runs_like_vllm(defer):
+    # Once: "free_blocks(): block 3 does not belong to this pool" when the requests
+    # that held blocks across the rebuild finished, and they stayed in the scheduler.
+    want = _drive_with_reorder(_scheduler_with(_reordering(VllmBlockPool)), defer)
+    assert want[1:] == (63, 0)
+    kvpool.install()
+    try:
+        scheduler = _scheduler_with(_reordering(BlockPool))
+        pool = scheduler.kv_cache_manager.block_pool
+        got = _drive_with_reorder(scheduler, defer)
+        assert pool._kvpool_native and type(pool.free_block_queue) is FreeKVCacheBlockQueue
+        assert got == want
+        pool.free_block_queue.check_invariants()
+        assert sorted(pool.free_block_queue.free_block_ids()) == list(range(1, 64))
+    finally:
+        kvpool.uninstall()
+
+
+def test_a_replaced_queues_blocks_are_adopted_when_freed_and_its_free_ones_refused():
+    from kvpool._core import BlockStateError
+
+    pool = BlockPool(16, True, 16)
+    held = pool.get_new_blocks(3)  # blocks 1, 2, 3
+    old_free_elsewhere = pool.blocks[12]
+    pool.free_block_queue = FreeKVCacheBlockQueue([pool.blocks[i] for i in range(5, 10)])
+    assert pool.get_num_free_blocks() == 5
+    # Free in the replaced queue, never handed out: freeing it is a double free there.
+    with pytest.raises(BlockStateError, match="no longer uses, and is not held there"):
+        pool.free_blocks([old_free_elsewhere])
+    assert pool.get_num_free_blocks() == 5 and old_free_elsewhere.ref_cnt == 0
+    pool.free_blocks(list(reversed(held)))  # held across the replacement: adopted
+    # Unhashed: one run to the front, in the order freed, as vLLM's free_blocks does.
+    assert pool.free_block_queue.free_block_ids() == [3, 2, 1, 5, 6, 7, 8, 9]
+    pool.free_block_queue.check_invariants()
+    again = pool.get_new_blocks(8)
+    assert [b.block_id for b in again] == [3, 2, 1, 5, 6, 7, 8, 9]
+    pool.free_blocks(list(reversed(again)))
+    assert pool.get_num_free_blocks() == 8

@@ -297,6 +297,19 @@ static void test_fenced_queue_joined_parts() {
   q.push(1, b, 1, true);
   q.clear();
   CHECK(q.num_heads() == 0 && q.num_entries() == 0);
+  // discard_back removes the last request, all its parts, and nothing before it.
+  CHECK(q.discard_back() == 0);
+  q.push(1, a, 2);
+  uint64_t v = q.version();
+  q.push(2, b, 1);
+  q.push(2, c, 1, true);
+  CHECK(q.discard_back() == 2 && q.version() != v);
+  CHECK(q.num_entries() == 1 && q.num_heads() == 1 && q.num_blocks() == 2);
+  q.push(3, c, 1);  // the buffer was shrunk back: the new entry follows the first
+  out.clear();
+  CHECK(q.drain(5, out, nullptr) == 2 && out == (std::vector<int64_t>{1, 2, 4}));
+  q.push(1, a, 2);
+  CHECK(q.discard_back() == 1 && q.empty() && q.num_blocks() == 0 && q.num_heads() == 0);
 }
 
 // The contiguous order against a model of vLLM's list (uncached segment LIFO, then

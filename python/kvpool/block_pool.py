@@ -413,6 +413,10 @@ class BlockPool(VllmBlockPool):
         the metrics collector, emits ``AllBlocksCleared``. Only blocks that exist as
         objects can hold a hash, so only those are visited.
 
+        A MemoryError before the reset takes effect leaves the pool as it was (the
+        reorder runs first); once it has, only vLLM's own effects (the watchers'
+        callbacks, the log line, the event) can still raise, as on vLLM.
+
         Args:
             reorder_free_queue: after a successful reset, also restore the canonical
                 free-queue order (:meth:`reset_free_block_queue_order`). Also on when
@@ -436,23 +440,42 @@ class BlockPool(VllmBlockPool):
                 num_used_blocks - 1,
             )
             return False
-        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        # All or nothing for the pool: what the reset needs is allocated first, then
+        # the reorders run (they allocate; each is strong), and only then does
+        # anything change. A MemoryError up to there leaves the pool as it was.
+        # vLLM's own effects after that (the reuse watchers it calls, the log line,
+        # the event) can still raise, as they can on vLLM, with the reset done.
+        new_map = BlockHashToBlockMap()
+        table = self.blocks if isinstance(self.blocks, BlockTable) else None
+        blocks = None if table is not None else list(self.blocks)
+        watched = [self.blocks[block_id] for block_id in list(self._reuse_watchers)] if self._reuse_watchers else None
+        event = AllBlocksCleared() if self.enable_kv_cache_events else None
+        reorder = reorder_free_queue or envs.get(REORDER_ON_RESET_ENV)
+        # One reorder, strong (it reads no hash, and needs only the precondition above).
+        if self.allocation == "contiguous":
+            # Nothing will be cached any more: every free block uncached, sorted, which
+            # is also what reset_free_block_queue_order() asks for; it would also drop
+            # the reserved ranges, as the next idle moment does.
+            self.free_block_queue.rebuild_canonical()
+            if reorder:
+                self.free_block_queue.release_all_extents()
+                self._table_owners.clear()
+        elif reorder:
+            self.reset_free_block_queue_order()
+        self.cached_block_hash_to_block = new_map
         self.cached_block_hashes_by_block.clear()
-        if self._reuse_watchers:
-            self._notify_reuse([self.blocks[block_id] for block_id in list(self._reuse_watchers)])
-        blocks = self.blocks.materialized() if isinstance(self.blocks, BlockTable) else self.blocks
-        for block in blocks:
-            block.reset_hash()
+        if watched:
+            self._notify_reuse(watched)
+        if table is not None:
+            table.reset_hashes()
+        else:
+            for block in blocks:
+                block.reset_hash()
         if self.metrics_collector:
             self.metrics_collector.reset()
         logger.info("Successfully reset prefix cache")
-        if self.enable_kv_cache_events:
-            self.kv_event_queue.append(AllBlocksCleared())
-        if self.allocation == "contiguous":
-            # Nothing is cached any more: every free block is uncached, sorted.
-            self.free_block_queue.rebuild_canonical()
-        if reorder_free_queue or envs.get(REORDER_ON_RESET_ENV):
-            self.reset_free_block_queue_order()
+        if event is not None:
+            self.kv_event_queue.append(event)
         return True
 
     def reset_free_block_queue_order(self) -> bool:

@@ -92,12 +92,99 @@ def _frees_natively(pool) -> bool:
     )
 
 
+_VLLM_MANAGERS_MODULE = "vllm.v1.core.single_type_kv_cache_manager"
+
+
+def _vllm_managers(kv_cache_manager):
+    """The coordinator's single-type managers when every ``pop_blocks_for_free`` on
+    the way is vLLM's own (so what it pops is known in advance: the manager's
+    ``req_to_blocks`` entry without its leading null blocks); else None."""
+    manager_pop, coordinator_pop = _vllm_pop_methods()
+    coordinator = getattr(kv_cache_manager, "coordinator", None)
+    if (
+        getattr(type(kv_cache_manager), "pop_blocks_for_free", None) is not manager_pop
+        or getattr(type(coordinator), "pop_blocks_for_free", None) is not coordinator_pop
+    ):
+        return None
+    managers = coordinator.single_type_managers
+    for manager in managers:
+        pop = getattr(type(manager), "pop_blocks_for_free", None)
+        if getattr(pop, "__module__", None) != _VLLM_MANAGERS_MODULE or not isinstance(
+            getattr(manager, "req_to_blocks", None), dict
+        ):
+            return None
+    return managers
+
+
+def _trim_null_head(blocks):
+    # vllm.v1.core.kv_cache_utils.trim_null_head (vLLM 0.33.0): blocks without their
+    # leading null blocks; blocks itself if none.
+    n = 0
+    for block in blocks:
+        if not block.is_null:
+            break
+        n += 1
+    return blocks[n:] if n else blocks
+
+
+def _same_blocks(popped, peeked) -> bool:
+    # Both came from the same req_to_blocks list: the same list, or equal slices.
+    if popped is peeked:
+        return True
+    return len(popped) == len(peeked) and (not popped or (popped[0] is peeked[0] and popped[-1] is peeked[-1]))
+
+
+def _defer_then_pop(queue, fence_seq: int, managers, request_id) -> None:
+    # Queue the request's blocks first, then pop its bookkeeping: a MemoryError while
+    # queuing (push_groups is strong) leaves the request with its blocks, as it was;
+    # popping first would lose them.
+    peeked = [_trim_null_head(manager.req_to_blocks.get(request_id) or ()) for manager in managers]
+    popped = [None] * len(managers)
+    queued = queue.push_groups(fence_seq, peeked, allocation_order=True)
+    try:
+        for i, manager in enumerate(managers):
+            popped[i] = manager.pop_blocks_for_free(request_id)
+    except BaseException:
+        # A pop failed part-way: the entry must hold exactly the groups that were
+        # popped (a group still in its table is freed by a later call).
+        if queued:
+            _keep_popped_groups(queue, fence_seq, managers, peeked, request_id)
+        raise
+    if all(_same_blocks(got, peek) for got, peek in zip(popped, peeked)):
+        return
+    # Not what vLLM's code pops (its bookkeeping changed under us): queue what was
+    # popped instead.
+    if queued:
+        queue.discard_last_entry()
+    queue.push_groups(fence_seq, popped, allocation_order=True)
+
+
+def _keep_popped_groups(queue, fence_seq: int, managers, peeked, request_id) -> None:
+    # After a failed pop: a manager whose table still holds the request was not popped.
+    unpopped = [bool(peek) and request_id in manager.req_to_blocks for manager, peek in zip(managers, peeked)]
+    if not any(unpopped):
+        return
+    queue.discard_last_entry()
+    popped = [peek for peek, still in zip(peeked, unpopped) if not still]
+    if any(popped):
+        queue.push_groups(fence_seq, popped, allocation_order=True)
+
+
 def _free_request_blocks(self, request) -> None:
     """Free the request's blocks, deferring their return to the pool while a
-    dispatched step may still write them (``Scheduler._free_request_blocks``)."""
+    dispatched step may still write them (``Scheduler._free_request_blocks``).
+
+    With kvpool's deferred queue and vLLM's own managers, the blocks are queued
+    before the request's bookkeeping is popped, so a MemoryError while queuing
+    leaves the request holding its blocks (nothing lost, the call can be retried)."""
     if self._request_blocks_can_be_freed(request):
         self.kv_cache_manager.free(request)
         return
+    if _is_native(self.deferred_frees):
+        managers = _vllm_managers(self.kv_cache_manager)
+        if managers is not None:
+            _defer_then_pop(self.deferred_frees, self.sched_step_seq, managers, request.request_id)
+            return
     groups = pop_groups_for_free(self.kv_cache_manager, request)
     if not groups:
         return

@@ -48,6 +48,7 @@ cdef class FreeKVCacheBlockQueue:
     cdef int32_t _plan_want
     cdef vector[int32_t] _scratch
     cdef vector[PyObject*] _ptr_scratch
+    cdef vector[Py_ssize_t] _idx_scratch  # the ref_cnt undo journal's loop indices
     cdef readonly KVCacheBlock fake_free_list_head
     cdef readonly KVCacheBlock fake_free_list_tail
     cdef object __weakref__

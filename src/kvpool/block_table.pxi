@@ -65,6 +65,24 @@ cdef class BlockTable:
     def count(self, item):
         return 1 if item in self else 0
 
+    def reset_hashes(self):
+        """``reset_hash()`` of every block created so far (blocks not created yet hold
+        no hash), as ``for block in pool.blocks: block.reset_hash()`` does in
+        ``BlockPool.reset_prefix_cache`` (vLLM 0.33.0). Allocates nothing, so it
+        cannot fail part-way; the table is re-read after each block (releasing a
+        hash object could run Python code)."""
+        cdef Py_ssize_t i = 0
+        cdef PyObject* o
+        cdef KVCacheBlock b
+        while i < PyList_GET_SIZE(self._queue._blocks):
+            o = PyList_GET_ITEM(self._queue._blocks, i)
+            i += 1
+            if <object>o is None:
+                continue
+            b = <KVCacheBlock>o  # (holds a reference while the old hashes are released)
+            b._block_hash = None
+            b._block_hash_num_tokens = None
+
     def materialized(self):
         """The block objects created so far (``list[KVCacheBlock]``, id order).
         Blocks not created yet are free, unhashed and have ``ref_cnt == 0``."""

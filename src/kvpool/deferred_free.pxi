@@ -168,17 +168,23 @@ cdef class FencedDeferredFreeQueue:
         """
         self._push_part(_index(fence_seq), blocks, False)
 
-    def push_groups(self, fence_seq, groups):
+    def push_groups(self, fence_seq, groups, *, bint allocation_order=False):
         """Queue one request's blocks as one entry of several parts, one per KV cache
         group, freed once ``processed_step_seq >= fence_seq`` by one ``free_blocks``
         call per part, in order: what ``KVCacheCoordinator.free`` does immediately
         (vLLM 0.33.0, one reversed call per single-type manager).
+
+        Strong: on any error (MemoryError included) nothing is queued.
 
         Args:
             fence_seq: int, a scheduler step sequence number.
             groups: iterable of block iterables, each in eviction order (a group's
                 blocks reversed). Empty groups are skipped; if all are empty nothing
                 is queued.
+            allocation_order: the groups are in allocation order (as
+                ``req_to_blocks`` holds them): each is queued reversed.
+        Returns:
+            True if an entry was queued (:meth:`discard_last_entry` removes it).
         Raises:
             TypeError: ``fence_seq`` is not an int.
         """
@@ -188,7 +194,10 @@ cdef class FencedDeferredFreeQueue:
         cdef vector[size_t] sizes
         cdef Py_ssize_t n
         for g in groups:  # read every group before queuing any
-            parts.append(list(g))
+            if allocation_order:
+                parts.append(g[::-1] if type(g) is list else list(g)[::-1])
+            else:
+                parts.append(list(g))
         for blocks in parts:
             if blocks:
                 n = self._part_handles(blocks)
@@ -197,6 +206,21 @@ cdef class FencedDeferredFreeQueue:
         if sizes.size():
             # One entry, all parts or none (strong on MemoryError).
             self._q.push_parts(fence, handles.data(), sizes.data(), sizes.size())
+            return True
+        return False
+
+    def discard_last_entry(self):
+        """Remove the newest entry (one request: all its parts) without freeing its
+        blocks: the undo of the :meth:`push_groups` / :meth:`push` that queued it, for
+        a caller whose next step failed. Never raises.
+
+        Returns:
+            The number of blocks removed (0 if the queue was empty).
+        """
+        cdef size_t before = self._q.num_blocks()
+        self._q.discard_back()
+        self._maybe_reset_tables()
+        return before - self._q.num_blocks()
 
     cdef _push_part(self, int64_t fence, object blocks, bint joined):
         cdef Py_ssize_t n = self._part_handles(blocks)
@@ -335,8 +359,14 @@ cdef class FencedDeferredFreeQueue:
                 entry = self._q.entry(0)
                 n = entry.end - entry.begin
                 if n:
-                    _free_core(pool, queue, NULL, <Py_ssize_t>n, 1, enable_caching,
-                               self, self._q.handles() + entry.begin, own_owner, &foreign)
+                    try:
+                        _free_core(pool, queue, NULL, <Py_ssize_t>n, 1, enable_caching,
+                                   self, self._q.handles() + entry.begin, own_owner, &foreign)
+                    except _StaleQueueBlock:
+                        # Nothing was freed: free the part by its blocks instead, the
+                        # ones the pool's replaced queue still holds adopted first.
+                        freed += self._free_part_adopting(pool, queue, enable_caching, foreign)
+                        continue
                 self._q.discard_front(1)
                 freed += 1
                 if foreign.size():
@@ -347,6 +377,31 @@ cdef class FencedDeferredFreeQueue:
             _release_parked()
         self._maybe_reset_tables()
         return freed
+
+    cdef int _free_part_adopting(self, object pool, FreeKVCacheBlockQueue queue,
+                                 bint enable_caching, vector[PyObject*]& foreign) except -1:
+        # Returns the number of parts freed (0 or 1).
+        # free_ready's front part holds blocks of `pool` registered to a queue the pool
+        # has replaced: adopt them (_adopt_stale), free the part through its block
+        # objects, and drop it. Python code may run while adopting: the part is
+        # looked up again (by version) before it is freed.
+        cdef vector[PyObject*] refs
+        cdef uint64_t version = self._q.version()
+        cdef FencedFreeQueue.Entry entry = self._q.entry(0)
+        self._take(entry.begin, entry.end, refs)
+        blocks = _list_from_refs(refs)
+        _adopt_stale(pool, queue, blocks)
+        if self._q.version() != version:
+            return 0  # the queue changed meanwhile: free_ready's loop looks again (no part freed)
+        _free_core(pool, queue, kvpool_list_items(<PyObject*>blocks), PyList_GET_SIZE(blocks), 1,
+                   enable_caching, None, NULL, -1, &foreign)
+        # No Python code ran since _free_core: drop the part before anything else.
+        self._q.discard_front(1)
+        if foreign.size():
+            others = _forwarded(foreign)
+            for other_pool, other_blocks in others.items():
+                other_pool.free_blocks(other_blocks)
+        return 1
 
     def ready_entries(self, processed_step_seq):
         """Number of leading entries whose fence is met (nothing is removed)."""

@@ -34,11 +34,23 @@ cdef enum:
     E_TOUCH_NOT_FREE = 9  # touch: ref_cnt 0 but not in the free queue
     E_TAKEN_OVER = 10     # a deferred block was taken over by another queue
     E_CORRUPT_HANDLE = 11 # a deferred-free handle names no table entry
+    E_STALE = 12          # free_blocks: a block of this pool registered to a queue it replaced
+
+
+class _StaleQueueBlock(BlockStateError):
+    """A free loop met a block of its pool that is registered to a free queue the pool
+    has since replaced (``pool.free_block_queue = FreeKVCacheBlockQueue(...)`` while
+    requests held blocks). The loop's callers adopt such blocks into the pool's
+    current queue and free again; raised to the user only if that is not possible."""
 
 
 cdef int _raise_loop_error(int err, object blk, str op, long refs) except -1:
     """Raise the exception for a free/touch loop's error code (after its undo)."""
     cdef PyObject* o = <PyObject*>blk
+    if err == E_STALE:
+        raise _StaleQueueBlock(
+            f"{op}(): block {_id_text(o)} of this pool is registered to a free queue the "
+            "pool no longer uses, and is not held there")
     if err == E_TAKEN_OVER:
         raise BlockStateError(
             "a deferred block was taken over by another free queue before its fence")

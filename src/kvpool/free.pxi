@@ -70,12 +70,64 @@ def pool_free_blocks(object pool, FreeKVCacheBlockQueue queue not None,
     cdef vector[PyObject*] foreign
     if n == 0:
         return None
-    _free_core(pool, queue, kvpool_list_items(<PyObject*>seq) + start, n, step,
-               enable_caching, None, NULL, -1, &foreign)
+    try:
+        _free_core(pool, queue, kvpool_list_items(<PyObject*>seq) + start, n, step,
+                   enable_caching, None, NULL, -1, &foreign)
+    except _StaleQueueBlock:
+        # Nothing was freed. Adopt the blocks the pool's old queue still holds, then
+        # free once more (over a private copy: adopting may run Python code).
+        seq = _copy_items(seq, start, step, n)
+        _adopt_stale(pool, queue, seq)
+        _free_core(pool, queue, kvpool_list_items(<PyObject*>seq), n, 1,
+                   enable_caching, None, NULL, -1, &foreign)
     try:
         return _forwarded(foreign)
     finally:
         _release_parked()
+
+
+cdef list _copy_items(list seq, Py_ssize_t start, Py_ssize_t step, Py_ssize_t n):
+    # seq[start], seq[start + step], ... (n items) as a new list; no Python code runs
+    # between reading the items and owning them.
+    cdef list out = PyList_New(n)
+    cdef Py_ssize_t i
+    cdef PyObject* o
+    for i in range(n):
+        o = PyList_GET_ITEM(seq, start + i * step)
+        Py_INCREF_ptr(o)
+        kvpool_list_items(<PyObject*>out)[i] = o  # the list takes the reference
+    return out
+
+
+cdef int _adopt_stale(object pool, FreeKVCacheBlockQueue queue, list blocks) except -1:
+    """Register with ``queue`` (as held blocks) the blocks of ``pool`` in ``blocks``
+    that are held in a free queue the pool has replaced: what vLLM's Python code
+    allows (its blocks carry no queue), e.g. a ``BlockPool`` subclass that rebuilds
+    ``free_block_queue`` from the free blocks while requests still hold others
+    (break-it C10). A block that is free in its old queue is left alone (freeing it
+    is a double free there).
+
+    Raises:
+        MemoryError: no room to register a block (those adopted before stay adopted:
+            held either way, now in the pool's current queue).
+    """
+    cdef KVCacheBlock b
+    cdef FreeKVCacheBlockQueue old
+    cdef Py_ssize_t i
+    for i in range(PyList_GET_SIZE(blocks)):
+        obj = <object>PyList_GET_ITEM(blocks, i)
+        if not isinstance(obj, KVCacheBlock):
+            continue
+        b = <KVCacheBlock>obj
+        old = b._queue
+        if b.pool is not pool or old is None or old is queue:
+            continue
+        if 0 <= b._slot < old._list.capacity() and old._list.contains(b._slot):
+            continue
+        # The old queue keeps the object in its table (a replaced queue is not used
+        # again); the block now names its slot in the current one.
+        queue._register(b)
+    return 0
 
 
 cdef dict _forwarded(vector[PyObject*]& foreign):
@@ -109,7 +161,8 @@ cdef enum:
 
 
 cdef int _free_one(PyObject* o, PyObject* pool, FreeKVCacheBlockQueue queue,
-                   bint enable_caching, kvpool_refbatch* rb, long* refs_out):
+                   bint enable_caching, kvpool_refbatch* rb, long* refs_out,
+                   kvpool_refjournal* jn, Py_ssize_t at):
     # The general case of one block of the free loop (the loop inlines the common
     # one): returns an A_* action, or -E_* with nothing changed for this block.
     # Never raises and runs no Python code.
@@ -133,15 +186,17 @@ cdef int _free_one(PyObject* o, PyObject* pool, FreeKVCacheBlockQueue queue,
         # bare KVCacheBlock(id)): vLLM decrements its ref_cnt and, as it does not
         # reach 0, never links it anywhere. Do the same; it cannot reach the free
         # list. One that would reach 0 is refused below as foreign.
-        err = _put_refs(o, refs - 1, rb)
+        err = _put_refs_kept(o, refs - 1, rb, jn, at)
         return -err if err != E_NONE else A_HELD
     slot = (<KVCacheBlock>o)._slot
     if (<PyObject*>(<KVCacheBlock>o)._queue != <PyObject*>queue
             or not (0 <= slot < queue._list.capacity())):
+        if p == pool and (<KVCacheBlock>o)._queue is not None:
+            return -E_STALE  # this pool's block, registered to a queue it replaced
         return -E_NOT_OURS
     if refs <= 0 or queue._list.contains_unchecked(slot):
         return -E_DOUBLE_FREE
-    err = _put_refs(o, refs - 1, rb)
+    err = _put_refs_kept(o, refs - 1, rb, jn, at)
     if err != E_NONE:
         return -err
     if refs != 1:
@@ -190,6 +245,7 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
     cdef int32_t* last
     cdef PyObject** foreign
     cdef kvpool_refbatch rb
+    cdef kvpool_refjournal jn
     cdef object culprit
     # Scratch space of the queue (no allocation per call once it has grown). Only the
     # loop and its links use it, before any Python code (which could call into this
@@ -197,8 +253,10 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
     queue._scratch.resize(2 * n)
     first = queue._scratch.data()
     last = first + n
-    queue._ptr_scratch.resize(n)
+    queue._ptr_scratch.resize(2 * n)
     foreign = queue._ptr_scratch.data()
+    queue._idx_scratch.resize(n)
+    _journal_init(&jn, foreign + n, queue._idx_scratch.data())
     kvpool_refbatch_init(&rb)
     ht.current = -1
     while k < n:
@@ -248,7 +306,7 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
                 nlast += 1
             k += 1
             continue
-        action = _free_one(o, pool_o, queue, enable_caching, &rb, &refs)
+        action = _free_one(o, pool_o, queue, enable_caching, &rb, &refs, &jn, k)
         if action < 0:
             err = -action
             break
@@ -271,18 +329,22 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
             err = E_NO_MEMORY
             k = n  # undo everything; the error names no block
     if err != E_NONE:
-        # Undo: every block before the failing one that is neither null nor another
-        # pool's was decremented once per occurrence. Nothing was linked yet.
+        # Undo, last block first: every block before the failing one that is neither
+        # null nor another pool's was decremented once per occurrence; the journal
+        # gives back the replaced ref_cnt objects, so nothing is allocated. Nothing
+        # was linked yet.
         ht.current = -1
-        for j in range(k):
+        j = k - 1
+        while j >= 0:
             o = items[j * step] if handles is NULL else _handle_to_block(deferred, handles[j], &ht, &action)
+            j -= 1
             if _null_state(o) == 1:
                 continue
             if (<PyObject*>(<KVCacheBlock>o).pool != none
                     and <PyObject*>(<KVCacheBlock>o).pool != pool_o):
                 continue
             _read_refs(o, &refs)
-            _put_refs(o, refs + 1, &rb)  # restores the value it had (cannot overflow)
+            _undo_refs(o, refs + 1, &rb, &jn, j + 1)  # the value it had
         if k == n or err == E_TAKEN_OVER or err == E_CORRUPT_HANDLE:
             culprit = None
         elif handles is NULL:
@@ -301,5 +363,6 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
         queue._list.append_n_unchecked(last, <int32_t>nlast)
     for j in range(nforeign):
         Py_INCREF_ptr(deref(foreign_out)[j])
+    _journal_release(&jn)  # (exact ints run no Python code; others are parked)
     kvpool_refbatch_flush(&rb)  # (the ints' counts only: no Python code)
     return 0

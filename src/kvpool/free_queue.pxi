@@ -479,16 +479,16 @@ cdef class FreeKVCacheBlockQueue:
         for a queue whose blocks were not registered in ascending id order). The set of
         free blocks is unchanged."""
         cdef vector[int32_t] order
-        self._count_offset = 0  # a rebuilt queue counts truly, like vLLM's new queue
         if self._ids_ascending:
             self._list.rebuild_canonical()
-            return
-        free = self.get_all_free_blocks()
-        free.sort(key=lambda blk: blk.block_id)
-        order.reserve(len(free))
-        for blk in free:
-            order.push_back((<KVCacheBlock>blk)._slot)
-        self._list.rebuild_in_order(order.data(), <int32_t>order.size())
+        else:
+            free = self.get_all_free_blocks()
+            free.sort(key=lambda blk: blk.block_id)
+            order.reserve(len(free))
+            for blk in free:
+                order.push_back((<KVCacheBlock>blk)._slot)
+            self._list.rebuild_in_order(order.data(), <int32_t>order.size())
+        self._count_offset = 0  # a rebuilt queue counts truly, like vLLM's new queue
 
     # -- allocation policies (docs/design.md, "Allocation policies") ----------------------
     @property

@@ -78,6 +78,7 @@ cdef extern from "fenced_free_queue.h" namespace "kvpool" nogil:
         size_t drain(int64_t processed_step_seq, vector[int64_t]& out, vector[size_t]* entry_ends) except +
         void pop_front(vector[int64_t]& out) except +
         void discard_front(size_t k) except +
+        size_t discard_back()
         size_t num_entries()
         uint64_t version()
         size_t num_heads()

@@ -94,6 +94,85 @@ cdef inline int _put_refs(PyObject* o, long value, kvpool_refbatch* rb):
     return E_NONE
 
 
+# The undo journal of a loop that changes ref_cnts: a replaced ref_cnt object that is
+# not one of the batched small ints (a value above 7, or an int that is not the
+# interpreter's cached one) is kept here, its reference with it, instead of being
+# released. The undo puts it back, so an undo never allocates an int (a failed
+# allocation there would leave a held block one reference short); the success path
+# releases them (_journal_release). `obj` and `idx` have room for one entry per loop
+# index: the caller reserves them before the loop changes anything.
+ctypedef struct kvpool_refjournal:
+    PyObject** obj     # the replaced objects (owned references), in loop order
+    Py_ssize_t* idx    # the loop index each was replaced at
+    Py_ssize_t n
+
+
+cdef inline void _journal_init(kvpool_refjournal* jn, PyObject** obj, Py_ssize_t* idx):
+    jn.obj = obj
+    jn.idx = idx
+    jn.n = 0
+
+
+cdef inline int _put_refs_kept(PyObject* o, long value, kvpool_refbatch* rb,
+                               kvpool_refjournal* jn, Py_ssize_t at):
+    """:func:`_put_refs` for loop index ``at``, keeping the replaced object in ``jn``
+    (unless it is a batched small int) for :func:`_undo_refs`. Never raises."""
+    cdef PyObject* old = (<KVCacheBlock>o)._ref_cnt_o
+    cdef PyObject* new
+    cdef long old_value
+    if 0 <= value <= KVPOOL_SI_MAX and kvpool_si_enabled():
+        new = kvpool_si_obj(value)
+        if value < KVPOOL_BATCHED:
+            rb.d[value] += 1
+        else:
+            Py_INCREF_ptr(new)
+    else:
+        if value == LONG_MAX:
+            return E_OVERFLOW
+        new = _PyLong_FromLong(value)  # a new reference
+        if new is NULL:
+            _PyErr_Clear()
+            return E_NO_MEMORY
+    (<KVCacheBlock>o)._ref_cnt_o = new
+    old_value = kvpool_si_value(old)
+    if 0 <= old_value < KVPOOL_BATCHED:
+        rb.d[old_value] -= 1
+    else:
+        jn.obj[jn.n] = old
+        jn.idx[jn.n] = at
+        jn.n += 1
+    return E_NONE
+
+
+cdef inline void _undo_refs(PyObject* o, long value, kvpool_refbatch* rb,
+                            kvpool_refjournal* jn, Py_ssize_t at):
+    # Undo the change made at loop index `at` (call in reverse loop order): put the
+    # kept object back, or else set `value`, which was then a batched small int (no
+    # allocation). Never raises and runs no Python code.
+    cdef PyObject* cur
+    cdef long cur_value
+    if jn.n and jn.idx[jn.n - 1] == at:
+        jn.n -= 1
+        cur = (<KVCacheBlock>o)._ref_cnt_o
+        (<KVCacheBlock>o)._ref_cnt_o = jn.obj[jn.n]
+        cur_value = kvpool_si_value(cur)
+        if 0 <= cur_value < KVPOOL_BATCHED:
+            rb.d[cur_value] -= 1
+        else:
+            _release_ref_cnt(cur)
+    else:
+        _put_refs(o, value, rb)
+
+
+cdef inline void _journal_release(kvpool_refjournal* jn):
+    # The loop succeeded: drop the kept objects (exact ints run no Python code when
+    # freed; anything else is parked until _flush).
+    cdef Py_ssize_t i
+    for i in range(jn.n):
+        _release_ref_cnt(jn.obj[i])
+    jn.n = 0
+
+
 cdef inline void _flush(kvpool_refbatch* rb):
     kvpool_refbatch_flush(rb)
     _release_parked()

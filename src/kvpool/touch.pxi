@@ -25,6 +25,7 @@ def pool_touch(FreeKVCacheBlockQueue queue not None, object blocks):
     cdef int err = E_NONE
     cdef int32_t* removed  # (slot, prev node, next node) triples, for the undo
     cdef kvpool_refbatch rb
+    cdef kvpool_refjournal jn
     cdef object culprit
     cdef PyObject* queue_o = <PyObject*>queue
     cdef void* block_type = <void*>KVCacheBlock
@@ -34,6 +35,9 @@ def pool_touch(FreeKVCacheBlockQueue queue not None, object blocks):
         return
     queue._scratch.resize(3 * n)
     removed = queue._scratch.data()
+    queue._ptr_scratch.resize(n)
+    queue._idx_scratch.resize(n)
+    _journal_init(&jn, queue._ptr_scratch.data(), queue._idx_scratch.data())
     kvpool_refbatch_init(&rb)
     # No Python code runs in this loop or its undo (field types are checked, not
     # converted; nothing is allocated that could start a garbage collection), so
@@ -92,20 +96,22 @@ def pool_touch(FreeKVCacheBlockQueue queue not None, object blocks):
         if refs == LONG_MAX:
             err = E_OVERFLOW
             break
-        err = _put_refs(o, refs + 1, &rb)  # (a recorded removal is undone below)
+        err = _put_refs_kept(o, refs + 1, &rb, &jn, k)  # (a recorded removal is undone below)
         if err != E_NONE:
             break
         k += 1
     _fold_0_to_1(&rb, n01)
     if err != E_NONE:
         # Blocks items[0 .. k-1] (null blocks excepted) were incremented once per
-        # occurrence; removals are undone in reverse order.
-        for j in range(k):
+        # occurrence: undone last first, the journal giving back replaced ref_cnt
+        # objects (nothing is allocated); removals are undone in reverse order.
+        j = k - 1
+        while j >= 0:
             o = items[j * step]
-            if _null_state(o) == 1:
-                continue
-            _read_refs(o, &refs)
-            _put_refs(o, refs - 1, &rb)
+            if _null_state(o) != 1:
+                _read_refs(o, &refs)
+                _undo_refs(o, refs - 1, &rb, &jn, j)
+            j -= 1
         j = nremoved - 1
         while j >= 0:
             queue._list.undo_remove(removed[3 * j], removed[3 * j + 1], removed[3 * j + 2])
@@ -113,4 +119,5 @@ def pool_touch(FreeKVCacheBlockQueue queue not None, object blocks):
         culprit = <object>items[k * step]
         _flush(&rb)
         _raise_loop_error(err, culprit, "touch", 0)
+    _journal_release(&jn)
     _flush(&rb)

@@ -31,6 +31,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 from kvpool import _core  # noqa: E402
 from kvpool import allocation  # noqa: E402
 from kvpool._core import (  # noqa: E402
+    BlockStateError,
     FencedDeferredFreeQueue,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
@@ -39,6 +40,7 @@ from kvpool._core import (  # noqa: E402
     pool_free_blocks,
     pool_get_new_blocks,
     pool_touch,
+    pool_unpin_blocks,
 )
 from kvpool.block_pool import BlockPool  # noqa: E402
 
@@ -88,6 +90,9 @@ class State:
             queue.num_uncached_free,
             len(self.deferred),
             self.deferred.num_blocks,
+            sorted(self.pool._reuse_watchers),
+            sorted(b.block_id for b in blocks if b.block_hash is not None),
+            len(self.pool.cached_block_hash_to_block),
         )
 
     def check(self):
@@ -264,6 +269,47 @@ def op_drain(state):
         state.pool.free_blocks(part)
 
 
+def _refused(fn, *args, expected=BlockStateError):
+    # An operation that is refused by design (a bad block at the end of its list):
+    # with an allocation failing in its loop or in its undo it must still leave the
+    # pool as it was.
+    try:
+        armed(fn, *args)
+    except expected as exc:
+        raise _Refused(exc) from exc
+    raise AssertionError(f"{fn!r} was not refused")
+
+
+def op_free_refused(state):
+    # held[:3] hold 3,000 references each (_big_refs): each decrement, and each undo of
+    # one, needs a new int, so a failure can land in the undo too.
+    free_block = state.pool.free_block_queue.get_all_free_blocks()[0]
+    pool = state.pool
+    _refused(pool_free_blocks, pool, pool.free_block_queue, list(state.held[:4]) + [free_block], True)
+
+
+def op_touch_refused(state):
+    _refused(pool_touch, state.pool.free_block_queue, list(state.held[:4]) + [KVCacheBlock(99)])
+
+
+def op_unpin_refused(state):
+    pool = state.pool
+    _refused(pool_unpin_blocks, pool.free_block_queue, list(state.held[:4]) + [pool.null_block],
+             pool._reuse_watchers, _on_reuse)
+
+
+def op_unpin(state):
+    # ref_cnts to decrement (3,000 and 1), watchers to register, blocks to link.
+    blocks = list(state.held[:6])
+    pool = state.pool
+    armed(pool_unpin_blocks, pool.free_block_queue, blocks, pool._reuse_watchers, _on_reuse)
+    state.held = [b for b in state.held if b.ref_cnt > 0]
+
+
+def _on_reuse(block):
+    pass
+
+
 def op_adopt(state):
     queue = FreeKVCacheBlockQueue([])
     blocks = [KVCacheBlock(1000 + i) for i in range(5)]
@@ -275,11 +321,22 @@ class _Done(Exception):
     pass
 
 
+class _Refused(Exception):
+    pass
+
+
 _DONE = _Done()  # made before any fault is armed
 
 
 def _idle(state):
     _free_all(state)
+
+
+def _big_refs(state):
+    # Counts beyond the interpreter's cached ints: changing one allocates an int.
+    for block in state.held[:3]:
+        block.ref_cnt = 3000
+    state.pool._reuse_watchers[state.held[0].block_id] = print  # one watcher replaced
 
 
 def _queued(state):
@@ -310,6 +367,7 @@ OPERATIONS = {
     "reorder_contiguous": (op_reorder_pool, "contiguous", None, _idle),
     "rebuild_uncached": (op_rebuild_uncached, "contiguous", None, None),
     "reset_prefix_cache": (op_reset_prefix_cache, "vllm", None, _idle),
+    "reset_prefix_cache_contiguous": (op_reset_prefix_cache, "contiguous", None, _idle),
     "lists": (op_lists, "vllm", None, None),
     "deferred_push_groups": (op_deferred, "vllm", None, None),
     # free_ready frees an entry part by part (one KV cache group each): a failure
@@ -318,11 +376,28 @@ OPERATIONS = {
     "deferred_free_ready": (op_free_ready, "vllm", None, _queued),
     "deferred_drain": (op_drain, "vllm", None, _queued),
     "adopt": (op_adopt, "vllm", None, None),
+    "free_refused_big_refs": (op_free_refused, "vllm", None, _big_refs),
+    "touch_refused_big_refs": (op_touch_refused, "vllm", None, _big_refs),
+    "unpin_refused_big_refs": (op_unpin_refused, "vllm", None, _big_refs),
+    "unpin": (op_unpin, "vllm", None, _big_refs),
+    "unpin_contiguous": (op_unpin, "contiguous", None, _big_refs),
 }
 
 
 #: Operations that may stop part-way (each step kept consistent).
 PARTIAL = {"deferred_free_ready"}
+
+
+def _reset_done(state, before, after) -> bool:
+    # reset_prefix_cache(reorder_free_queue=True) all done: a failure in vLLM's own
+    # effects after the reset (its log line) may be raised with the reset done.
+    free, refs, num_free, order, owners, uncached, entries, deferred, watchers, hashed, mapped = after
+    return (free == sorted(before[0]) and not hashed and mapped == 0
+            and (refs, num_free, order, entries, deferred, watchers) == (before[1], before[2], before[3], *before[6:9]))
+
+
+#: Operations that may also raise with their work complete: name -> test of that state.
+DONE_THEN_RAISED = {"reset_prefix_cache": _reset_done, "reset_prefix_cache_contiguous": _reset_done}
 
 
 def sweep(name: str) -> int:
@@ -341,19 +416,26 @@ def sweep(name: str) -> int:
             error = None
         except _Done:
             error = None
+        except _Refused as refused:
+            error = refused  # refused by design: unchanged, hit or not
         except _SkipPython as skipped:
             return -1 if k == 0 else _fail(f"{name}: {skipped} skipped after k={k}")
         except Exception as exc:  # MemoryError, or what the operation made of it
             error = exc
         hit = lib.kvpool_fault_disarm()
         if not hit:
-            assert error is None, f"{name}: {error!r} without an injected failure"
+            assert error is None or isinstance(error, _Refused), (
+                f"{name}: {error!r} without an injected failure")
+            if error is not None:
+                assert state.snapshot() == before, f"{name}: the refused call changed the pool"
+                state.check()
             return k
         if error is None:
             state.check()  # the failure was absorbed (e.g. a courtesy note): still consistent
             continue
         after = state.snapshot()
-        assert name in PARTIAL or after == before, (
+        done = name in DONE_THEN_RAISED and DONE_THEN_RAISED[name](state, before, after)
+        assert name in PARTIAL or after == before or done, (
             f"{name} k={k}: {type(error).__name__}: {error} changed the pool\n"
             f"before {before}\nafter  {after}")
         state.check()
