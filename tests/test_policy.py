@@ -183,3 +183,29 @@ def test_install_switches(monkeypatch):
     with pytest.raises(ValueError, match="KVPOOL_ALLOCATION='bogus'"):
         plugin.register()
     assert not kvpool.is_installed()
+
+
+def test_the_default_policy_wraps_only_the_table_growth():
+    # allocate_slots runs for every scheduled request in every step: only the
+    # contiguous policy (extents, expected lengths) pays for a wrapper there.
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    vanilla_slots = KVCacheManager.allocate_slots
+    vanilla_pop = SingleTypeKVCacheManager.pop_blocks_for_free
+    vanilla_grow = SingleTypeKVCacheManager.allocate_new_blocks
+    kvpool.install()
+    try:
+        assert KVCacheManager.allocate_slots is vanilla_slots
+        assert SingleTypeKVCacheManager.pop_blocks_for_free is vanilla_pop
+        assert SingleTypeKVCacheManager.allocate_new_blocks.__kvpool_wrapped__ is vanilla_grow
+    finally:
+        kvpool.uninstall()
+    kvpool.install(allocation="contiguous")
+    try:
+        assert KVCacheManager.allocate_slots.__kvpool_wrapped__ is vanilla_slots
+        assert SingleTypeKVCacheManager.pop_blocks_for_free.__kvpool_wrapped__ is vanilla_pop
+        assert SingleTypeKVCacheManager.allocate_new_blocks.__kvpool_wrapped__ is vanilla_grow
+    finally:
+        kvpool.uninstall()
+    assert (KVCacheManager.allocate_slots, SingleTypeKVCacheManager.pop_blocks_for_free) == (vanilla_slots, vanilla_pop)

@@ -155,15 +155,25 @@ def _manager_classes(base: type) -> list[type]:
 
 def apply(patcher) -> None:
     """Install the table-context patches (called by ``kvpool.install()``): every
-    single-type manager class that defines an allocation method or
-    ``pop_blocks_for_free`` gets it wrapped; subclasses defined later inherit them."""
+    single-type manager class that defines an allocation method gets it wrapped, so
+    the pool knows which table an allocation extends (the table statistics of
+    ``fragmentation_stats``, any policy; the contiguous policy's continuation).
+    Subclasses defined later inherit them.
+
+    Only with the contiguous policy (``patcher.policy``): ``pop_blocks_for_free``
+    (release a table's extent) and ``KVCacheManager.allocate_slots`` (record a
+    request's expected length) are wrapped as well. The default policy has no extents,
+    so it does not pay for those wrappers on every call (``allocate_slots`` runs for
+    every scheduled request in every step)."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
+    extents = patcher.policy == "contiguous"
     for cls in _manager_classes(SingleTypeKVCacheManager):
         for name in _ALLOCATING:
             if name in cls.__dict__:
                 patcher.set_attr(cls, name, _extending_table(cls.__dict__[name]))
-        if "pop_blocks_for_free" in cls.__dict__:
+        if extents and "pop_blocks_for_free" in cls.__dict__:
             patcher.set_attr(cls, "pop_blocks_for_free", _releasing_extent(cls.__dict__["pop_blocks_for_free"]))
-    patcher.set_attr(KVCacheManager, "allocate_slots", _recording_expected_tokens(KVCacheManager.allocate_slots))
+    if extents:
+        patcher.set_attr(KVCacheManager, "allocate_slots", _recording_expected_tokens(KVCacheManager.allocate_slots))

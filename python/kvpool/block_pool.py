@@ -264,7 +264,20 @@ class BlockPool(VllmBlockPool):
             blocks = VllmBlockPool.get_new_blocks(self, num_blocks)
             self._count_pairs(last, blocks)
         else:
-            blocks = self._native_get_new_blocks(num_blocks, table_last=last)
+            # The default policy's common path (a request's table grows), one call
+            # straight into the native loop (_native_get_new_blocks, inlined).
+            blocks = pool_get_new_blocks(
+                self.free_block_queue,
+                num_blocks,
+                self.enable_caching,
+                self.cached_block_hashes_by_block,
+                self._maybe_evict_cached_block,
+                -1,
+                0,
+                0,
+                self._table_counters,
+                -1 if last is None else last,
+            )
         return blocks
 
     def _native_get_new_blocks(

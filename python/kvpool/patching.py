@@ -56,6 +56,7 @@ class _InstallState:
     attrs: list[tuple[Any, str, Any]] = field(default_factory=list)  # (owner, name, old or _MISSING)
     arguments: dict[str, Any] = field(default_factory=dict)  # install() arguments by variable name
     skipped: dict[str, str] = field(default_factory=dict)  # patch module -> why (untested vLLM)
+    policy: str = "vllm"  # the allocation policy being installed
 
 
 _state: _InstallState | None = None
@@ -80,6 +81,11 @@ class Patcher:
     def vanilla(self) -> dict[str, Any]:
         """vLLM's original classes by name."""
         return self._state.vanilla
+
+    @property
+    def policy(self) -> str:
+        """The allocation policy being installed (``kvpool.allocation.POLICIES``)."""
+        return self._state.policy
 
     def require(self, owner: type, *names: str) -> None:
         """Check that vLLM's ``owner`` has every attribute in ``names`` (what a patch
@@ -218,6 +224,7 @@ def install(*, force: bool = False, allocation: str | None = None) -> bool:
                 f"kvpool cannot bind its block classes into untested vLLM {version} ({e}); "
                 "nothing was changed") from e
         state.arguments = {envs.ALLOCATION: allocation, envs.ALLOW_UNTESTED_VLLM: True if force else None}
+        state.policy = policy
         try:
             _rebind_names(state, replacements)
             _rebase_subclasses(state, replacements)
