@@ -355,3 +355,26 @@ def test_a_replaced_queues_blocks_are_adopted_when_freed_and_its_free_ones_refus
     assert [b.block_id for b in again] == [3, 2, 1, 5, 6, 7, 8, 9]
     pool.free_blocks(list(reversed(again)))
     assert pool.get_num_free_blocks() == 8
+
+
+def test_blocks_pinned_across_a_queue_rebuild_are_unpinned_like_vllm():
+    # vLLM's unpin_blocks decrements and appends to whatever queue the pool has now.
+    pools = {}
+    for name, cls in (("vllm", _reordering(VllmBlockPool)), ("kvpool", _reordering(BlockPool))):
+        if name == "kvpool":
+            kvpool.install()
+        try:
+            pool = cls(16, True, 16)
+            held = pool.get_new_blocks(4)
+            pool.reorder_free_queue()
+            seen = []
+            pool.unpin_blocks(held[:3], seen.append)
+            pool.free_blocks(reversed(held[3:]))
+            pools[name] = (pool.free_block_queue.free_block_ids() if name == "kvpool"
+                           else [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+                           sorted(pool._reuse_watchers), pool.get_num_free_blocks())
+        finally:
+            if name == "kvpool":
+                kvpool.uninstall()
+    assert pools["kvpool"] == pools["vllm"]
+    assert pools["kvpool"][2] == 15

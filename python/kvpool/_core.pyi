@@ -139,7 +139,11 @@ def pool_free_blocks(
 ) -> dict[Any, list[KVCacheBlock]] | None: ...
 def pool_touch(queue: FreeKVCacheBlockQueue, blocks: Iterable[KVCacheBlock]) -> None: ...
 def pool_unpin_blocks(
-    queue: FreeKVCacheBlockQueue, blocks: Iterable[KVCacheBlock], reuse_watchers: dict[int, Any], on_reuse: Any
+    queue: FreeKVCacheBlockQueue,
+    blocks: Iterable[KVCacheBlock],
+    reuse_watchers: dict[int, Any],
+    on_reuse: Any,
+    pool: Any = ...,
 ) -> None: ...
 def pool_blocks_to_evict(
     blocks: Sequence[KVCacheBlock], block_ids: Iterable[int], cached_block_hashes_by_block: dict[int, Any], every_block: bool

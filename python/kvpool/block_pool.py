@@ -392,7 +392,7 @@ class BlockPool(VllmBlockPool):
         ``BlockPool.unpin_blocks``."""
         if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
             return VllmBlockPool.unpin_blocks(self, blocks, on_reuse)
-        pool_unpin_blocks(self.free_block_queue, blocks, self._reuse_watchers, on_reuse)
+        pool_unpin_blocks(self.free_block_queue, blocks, self._reuse_watchers, on_reuse, self)
         if self.allocation == "contiguous":
             self._absorb_unhashed()
         if self._restore_on_idle or self.allocation == "contiguous":

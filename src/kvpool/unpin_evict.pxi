@@ -5,7 +5,7 @@ cdef object _NO_WATCHER = object()
 
 
 def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,
-                      dict reuse_watchers, object on_reuse):
+                      dict reuse_watchers, object on_reuse, object pool=None):
     """``BlockPool.unpin_blocks`` (vLLM 0.33.0): ``ref_cnt -= 1``, register ``on_reuse``
     for each block (``reuse_watchers[block_id]``), and append blocks reaching 0 to the
     tail of the free queue.
@@ -16,6 +16,10 @@ def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,
     code runs until the call has done its work (block ids must be exact ints, so
     registering a watcher runs no ``__hash__``/``__eq__``; replaced watchers are kept
     alive until then).
+
+    ``pool`` (the queue's ``BlockPool``, optional): its blocks still held in a free
+    queue the pool has replaced are adopted into ``queue`` first, as ``free_blocks``
+    adopts them.
 
     Raises:
         TypeError: not a kvpool block, a field of the wrong type, or a block_id that
@@ -39,7 +43,7 @@ def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,
     cdef kvpool_refbatch rb
     cdef kvpool_refjournal jn
     cdef int err = E_NONE
-    cdef bint bad_id = False
+    cdef bint bad_id = False, stale = False
     cdef list saved
     if n == 0:
         return
@@ -66,6 +70,7 @@ def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,
         if (refs <= 0 or b._queue is not queue or not (0 <= slot < capacity)
                 or queue._list.contains_unchecked(slot)):
             err = E_DOUBLE_FREE
+            stale = pool is not None and b.pool is pool and b._queue is not None and b._queue is not queue
             break
         if b._block_id_o is NULL or not _PyLong_CheckExact(b._block_id_o):
             err = E_NOT_BLOCK
@@ -111,6 +116,11 @@ def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,
             _undo_refs(o, refs + 1, &rb, &jn, j)
             j -= 1
         _flush(&rb)
+        if stale:
+            # Nothing changed: adopt the pool's blocks that its replaced queue holds,
+            # then unpin once more (without `pool`: a second stale block is refused).
+            _adopt_stale(pool, queue, blist)
+            return pool_unpin_blocks(queue, blist, reuse_watchers, on_reuse)
         if err == E_NO_MEMORY:
             raise MemoryError("unpin_blocks(): no memory for a ref_cnt or a reuse watcher")
         b = _as_block(<object>PyList_GET_ITEM(blist, i))
