@@ -293,27 +293,31 @@ def _reordering(base):
 
 
 def _drive_with_reorder(scheduler, defer: bool):
-    # Requests hold blocks when the queue is rebuilt, and finish afterwards (with a
-    # step in flight when `defer`: their blocks wait in the deferred-free queue).
+    # Requests hold blocks when the queue is rebuilt, and finish afterwards; with
+    # `defer`, they are aborted while their step is in flight (async scheduling with a
+    # KV consumer), so their blocks wait in the deferred-free queue, and two of them
+    # share their prompt's blocks (one deferred entry frees them after the other).
     from vllm.v1.request import RequestStatus
 
     pool = scheduler.kv_cache_manager.block_pool
     scheduler.defer_block_free = defer
     for i, prompt in enumerate([list(range(1, 40)), list(range(100, 170)), list(range(1, 40))]):
-        scheduler.add_request(make_request(f"r{i}", prompt, max_tokens=6))
-    trace = []
-    for step in range(12):
+        scheduler.add_request(make_request(f"r{i}", prompt, max_tokens=20))
+    trace, deferred = [], 0
+    for step in range(30):
         if step == 2:
             pool.reorder_free_queue()
-        if step == 4 and "r1" in scheduler.requests:
-            scheduler.finish_requests("r1", RequestStatus.FINISHED_ABORTED)
         out = scheduler.schedule()
         trace.append(sorted((r.req_id, tuple(map(tuple, r.block_ids))) for r in out.scheduled_new_reqs))
+        for when, ids in ((4, ["r1"]), (7, ["r0", "r2"])):
+            if step == when:
+                scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)  # step in flight
+                deferred = max(deferred, len(scheduler.deferred_frees))
         scheduler.update_from_output(out, runner_output(out))
         if defer:
             scheduler.processed_step_seq = scheduler.sched_step_seq
             scheduler._drain_deferred_frees()
-    return trace, pool.get_num_free_blocks(), len(scheduler.requests)
+    return trace, pool.get_num_free_blocks(), len(scheduler.requests), deferred >= (2 if defer else 0)
 
 
 @pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
@@ -321,7 +325,7 @@ def test_a_subclass_that_rebuilds_the_free_queue_while_blocks_are_held_runs_like
     # Once: "free_blocks(): block 3 does not belong to this pool" when the requests
     # that held blocks across the rebuild finished, and they stayed in the scheduler.
     want = _drive_with_reorder(_scheduler_with(_reordering(VllmBlockPool)), defer)
-    assert want[1:] == (63, 0)
+    assert want[1:] == (63, 0, True)
     kvpool.install()
     try:
         scheduler = _scheduler_with(_reordering(BlockPool))
@@ -344,7 +348,7 @@ def test_a_replaced_queues_blocks_are_adopted_when_freed_and_its_free_ones_refus
     pool.free_block_queue = FreeKVCacheBlockQueue([pool.blocks[i] for i in range(5, 10)])
     assert pool.get_num_free_blocks() == 5
     # Free in the replaced queue, never handed out: freeing it is a double free there.
-    with pytest.raises(BlockStateError, match="no longer uses, and is not held there"):
+    with pytest.raises(BlockStateError, match="taken over by a free queue the pool does not use, and is free there"):
         pool.free_blocks([old_free_elsewhere])
     assert pool.get_num_free_blocks() == 5 and old_free_elsewhere.ref_cnt == 0
     pool.free_blocks(list(reversed(held)))  # held across the replacement: adopted

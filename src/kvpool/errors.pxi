@@ -49,8 +49,8 @@ cdef int _raise_loop_error(int err, object blk, str op, long refs) except -1:
     cdef PyObject* o = <PyObject*>blk
     if err == E_STALE:
         raise _StaleQueueBlock(
-            f"{op}(): block {_id_text(o)} of this pool is registered to a free queue the "
-            "pool no longer uses, and is not held there")
+            f"{op}(): block {_id_text(o)} of this pool was taken over by a free queue the "
+            "pool does not use, and is free there (not held)")
     if err == E_TAKEN_OVER:
         raise BlockStateError(
             "a deferred block was taken over by another free queue before its fence")

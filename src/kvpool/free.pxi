@@ -39,9 +39,29 @@ cdef inline PyObject* _handle_to_block(FencedDeferredFreeQueue deferred, int64_t
             not isinstance(<object>obj, KVCacheBlock)
             or <PyObject*>(<KVCacheBlock>obj)._queue != t.owner_queue
             or (<KVCacheBlock>obj)._slot != slot):
+        if _adopted_elsewhere(obj, t.owner_queue):
+            return obj
         err[0] = E_TAKEN_OVER
         return NULL
     return obj
+
+
+cdef inline bint _adopted_elsewhere(PyObject* obj, PyObject* owner_queue):
+    # The block a handle of `owner_queue` names has moved, *held*, to another queue
+    # of a pool: its pool replaced its free queue and adopted it (_adopt_stale; e.g.
+    # another request's deferred entry shared it). The handle still names it (the old
+    # table keeps the object); the free loop checks it against the pool's queue. A
+    # block another queue holds as free stays "taken over".
+    cdef FreeKVCacheBlockQueue other
+    if not isinstance(<object>obj, KVCacheBlock):
+        return False
+    if (<KVCacheBlock>obj).pool is None or (<KVCacheBlock>obj)._queue is None:
+        return False
+    other = (<KVCacheBlock>obj)._queue
+    if <PyObject*>other == owner_queue:
+        return False
+    return (0 <= (<KVCacheBlock>obj)._slot < other._list.capacity()
+            and not other._list.contains_unchecked((<KVCacheBlock>obj)._slot))
 
 
 def pool_free_blocks(object pool, FreeKVCacheBlockQueue queue not None,
