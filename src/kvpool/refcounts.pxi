@@ -65,31 +65,47 @@ cdef inline void _release_ref_cnt(PyObject* old):
     Py_DECREF_ptr(old)
 
 
+cdef inline int _ref_obj(long value, kvpool_refbatch* rb, PyObject** out):
+    # The object to store for ref_cnt ``value`` in *out: a new reference, or one of the
+    # batched small ints whose count goes to ``rb``. Never raises: E_NONE, E_OVERFLOW or
+    # E_NO_MEMORY (nothing made then).
+    if 0 <= value <= KVPOOL_SI_MAX and kvpool_si_enabled():
+        out[0] = kvpool_si_obj(value)
+        if value < KVPOOL_BATCHED:
+            rb.d[value] += 1
+        else:
+            Py_INCREF_ptr(out[0])
+        return E_NONE
+    if value == LONG_MAX:
+        return E_OVERFLOW
+    out[0] = _PyLong_FromLong(value)  # a new reference
+    if out[0] is NULL:
+        _PyErr_Clear()
+        return E_NO_MEMORY
+    return E_NONE
+
+
+cdef inline bint _batched(PyObject* old, kvpool_refbatch* rb):
+    # A replaced ref_cnt object that is one of the batched small ints: its count goes to
+    # ``rb`` (True). Anything else is the caller's to release or keep (False).
+    cdef long old_value = kvpool_si_value(old)
+    if 0 <= old_value < KVPOOL_BATCHED:
+        rb.d[old_value] -= 1
+        return True
+    return False
+
+
 cdef inline int _put_refs(PyObject* o, long value, kvpool_refbatch* rb):
     """Set the ref_cnt of block ``o`` (borrowed) to ``value``. Refcount updates of the
     ints 0..7 go to ``rb`` (flushed by the caller). Never raises: returns E_NONE,
     E_OVERFLOW or E_NO_MEMORY (nothing changed then)."""
     cdef PyObject* old = (<KVCacheBlock>o)._ref_cnt_o
     cdef PyObject* new
-    cdef long old_value
-    if 0 <= value <= KVPOOL_SI_MAX and kvpool_si_enabled():
-        new = kvpool_si_obj(value)
-        if value < KVPOOL_BATCHED:
-            rb.d[value] += 1
-        else:
-            Py_INCREF_ptr(new)
-    else:
-        if value == LONG_MAX:
-            return E_OVERFLOW
-        new = _PyLong_FromLong(value)  # a new reference
-        if new is NULL:
-            _PyErr_Clear()
-            return E_NO_MEMORY
+    cdef int err = _ref_obj(value, rb, &new)
+    if err != E_NONE:
+        return err
     (<KVCacheBlock>o)._ref_cnt_o = new
-    old_value = kvpool_si_value(old)
-    if 0 <= old_value < KVPOOL_BATCHED:
-        rb.d[old_value] -= 1
-    else:
+    if not _batched(old, rb):
         _release_ref_cnt(old)
     return E_NONE
 
@@ -119,25 +135,11 @@ cdef inline int _put_refs_kept(PyObject* o, long value, kvpool_refbatch* rb,
     (unless it is a batched small int) for :func:`_undo_refs`. Never raises."""
     cdef PyObject* old = (<KVCacheBlock>o)._ref_cnt_o
     cdef PyObject* new
-    cdef long old_value
-    if 0 <= value <= KVPOOL_SI_MAX and kvpool_si_enabled():
-        new = kvpool_si_obj(value)
-        if value < KVPOOL_BATCHED:
-            rb.d[value] += 1
-        else:
-            Py_INCREF_ptr(new)
-    else:
-        if value == LONG_MAX:
-            return E_OVERFLOW
-        new = _PyLong_FromLong(value)  # a new reference
-        if new is NULL:
-            _PyErr_Clear()
-            return E_NO_MEMORY
+    cdef int err = _ref_obj(value, rb, &new)
+    if err != E_NONE:
+        return err
     (<KVCacheBlock>o)._ref_cnt_o = new
-    old_value = kvpool_si_value(old)
-    if 0 <= old_value < KVPOOL_BATCHED:
-        rb.d[old_value] -= 1
-    else:
+    if not _batched(old, rb):
         jn.obj[jn.n] = old
         jn.idx[jn.n] = at
         jn.n += 1
@@ -150,15 +152,11 @@ cdef inline void _undo_refs(PyObject* o, long value, kvpool_refbatch* rb,
     # kept object back, or else set `value`, which was then a batched small int (no
     # allocation). Never raises and runs no Python code.
     cdef PyObject* cur
-    cdef long cur_value
     if jn.n and jn.idx[jn.n - 1] == at:
         jn.n -= 1
         cur = (<KVCacheBlock>o)._ref_cnt_o
         (<KVCacheBlock>o)._ref_cnt_o = jn.obj[jn.n]
-        cur_value = kvpool_si_value(cur)
-        if 0 <= cur_value < KVPOOL_BATCHED:
-            rb.d[cur_value] -= 1
-        else:
+        if not _batched(cur, rb):
             _release_ref_cnt(cur)
     else:
         _put_refs(o, value, rb)
