@@ -14,6 +14,18 @@ import os
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
+def pytest_configure(config):
+    # The scheduler-step benchmark builds vLLM configs: from the model config files
+    # kvpool ships, offline, never from the hub (as tests/conftest.py does).
+    import tempfile
+
+    from kvpool.hf_offline import materialize_hf_cache, offline_env
+
+    home = tempfile.mkdtemp(prefix="kvpool-bench-hf-")
+    materialize_hf_cache(home)
+    os.environ.update(offline_env(home))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     session = getattr(config, "_benchmarksession", None)
     if session is None or not session.benchmarks:

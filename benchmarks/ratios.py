@@ -16,6 +16,14 @@ TARGETS = {
     "alloc_free_whole_pool": 20,
     "touch_free_2100_hashed": 20,
     "deferred_drain_2100": 20,
+    # The scheduler step (benchmarks/test_scheduler_step_bench.py, issue 17): vanilla's
+    # CPU per step / kvpool's, serving shape. Reported, not gated yet: issue 17's goal
+    # is 1/0.7 (default policy) and 1/0.75 (contiguous), which the manager's Python
+    # (about 44% of a step in both builds) keeps out of reach until it is native; on
+    # the shared 2-core machine the ratio moved between 0.8x and 1.2x run to run
+    # (docs/performance.md).
+    # "scheduler_step_serving": None,
+    # "scheduler_step_serving_contiguous": None,
 }
 
 
@@ -26,17 +34,22 @@ def ratio_rows(benchmarks: list[dict]) -> list[dict]:
         by_group.setdefault(b["group"], {})[b["extra_info"]["impl"]] = b
     rows = []
     for group, impls in sorted(by_group.items()):
-        if {"vllm", "kvpool"} <= impls.keys():
-            v, k = impls["vllm"]["median"], impls["kvpool"]["median"]
-            blocks = impls["kvpool"]["extra_info"].get("blocks") or 1
+        if "vllm" not in impls:
+            continue
+        # "kvpool", and further kvpool modes of the same group ("kvpool_contiguous":
+        # row "<group>_contiguous").
+        for impl in sorted(i for i in impls if i == "kvpool" or i.startswith("kvpool_")):
+            name = group if impl == "kvpool" else f"{group}_{impl[len('kvpool_'):]}"
+            v, k = impls["vllm"]["median"], impls[impl]["median"]
+            blocks = impls[impl]["extra_info"].get("blocks") or 1
             rows.append(
                 {
-                    "group": group,
+                    "group": name,
                     "vllm_s": v,
                     "kvpool_s": k,
                     "ratio": v / k,
                     "kvpool_ns_per_block": k / blocks * 1e9,
-                    "target": TARGETS.get(group),
+                    "target": TARGETS.get(name),
                 }
             )
     return rows
