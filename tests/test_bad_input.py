@@ -492,12 +492,54 @@ def test_a_refused_unpin_changes_no_ref_cnt_and_no_watcher():
         assert [b.ref_cnt for b in blocks] == [5000, 1, 1]
         assert pool._reuse_watchers == {blocks[1].block_id: earlier}
         assert pool.get_num_free_blocks() == 6
-    # A block_id that is not an int could run Python code from the watcher table.
-    blocks[2].block_id = 2.0
-    with pytest.raises(TypeError, match="block_id must be an int, got float"):
-        pool.unpin_blocks(blocks, print)
-    assert [b.ref_cnt for b in blocks] == [5000, 1, 1] and pool.get_num_free_blocks() == 6
-    blocks[2].block_id = 3
     pool.unpin_blocks(blocks, print)
     assert [b.ref_cnt for b in blocks] == [4999, 0, 0] and pool.get_num_free_blocks() == 8
     assert sorted(pool._reuse_watchers) == [1, 2, 3] and pool._reuse_watchers[2] is print
+
+
+def test_unpin_with_a_watcher_key_whose_eq_runs_python_code_changes_no_block():
+    # A key in the watcher table whose hash equals a block id: registering a watcher
+    # calls its __eq__. Once, that ran after the blocks were decremented (a re-free
+    # there linked a slot twice: SIGSEGV), and an exception from it skipped the undo.
+    pool = BlockPool(16, True, 16)
+    blocks = pool.get_new_blocks(4)  # ids 1..4
+
+    class Key:
+        def __init__(self, action):
+            self.action = action
+
+        def __hash__(self):
+            return 2
+
+        def __eq__(self, other):
+            self.action()
+            return False
+
+    def refree():
+        if blocks[3].ref_cnt:  # (__eq__ runs on every lookup of the colliding key)
+            pool.free_blocks([blocks[3]])  # frees block 4 (held once) mid-registration
+
+    def boom():
+        raise ValueError("hostile __eq__")
+
+    pool._reuse_watchers[Key(boom)] = print
+    with pytest.raises(ValueError, match="hostile"):
+        pool.unpin_blocks(blocks[:3], print)
+    assert [b.ref_cnt for b in blocks] == [1, 1, 1, 1] and pool.get_num_free_blocks() == 11
+    assert sorted(k for k in pool._reuse_watchers if isinstance(k, int)) == []
+    pool._reuse_watchers.clear()
+    pool._reuse_watchers[Key(refree)] = print
+    pool.unpin_blocks(blocks[:3], print)  # block 4 freed by the key, blocks 1-3 unpinned
+    pool.free_block_queue.check_invariants()
+    assert [b.ref_cnt for b in blocks] == [0, 0, 0, 0] and pool.get_num_free_blocks() == 15
+    assert len(pool.get_new_blocks(15)) == 15
+
+
+def test_unpin_registers_watchers_in_any_mapping_like_vllm():
+    from collections import UserDict
+
+    pool = BlockPool(16, True, 16)
+    blocks = pool.get_new_blocks(2)
+    pool._reuse_watchers = UserDict()
+    pool.unpin_blocks(blocks, print)
+    assert dict(pool._reuse_watchers) == {1: print, 2: print} and pool.get_num_free_blocks() == 15

@@ -382,3 +382,45 @@ def test_blocks_pinned_across_a_queue_rebuild_are_unpinned_like_vllm():
                 kvpool.uninstall()
     assert pools["kvpool"] == pools["vllm"]
     assert pools["kvpool"][2] == 15
+
+
+def test_a_free_blocks_override_that_raises_in_the_deferred_drain_loses_what_vllm_loses():
+    # The drain for a pool whose class overrides free_blocks goes one request at a
+    # time, as vLLM pops one entry before freeing it: once, every ready entry was
+    # removed first and a raise lost all of them (9 blocks where vLLM loses 3).
+    from vllm.v1.request import RequestStatus
+
+    def flaky(base):
+        class Flaky(base):
+            calls = 0
+
+            def free_blocks(self, ordered_blocks):
+                type(self).calls += 1
+                if type(self).calls == 1:
+                    raise RuntimeError("transient failure in a subclass hook")
+                return base.free_blocks(self, ordered_blocks)
+
+        return Flaky
+
+    def run(base):
+        scheduler = _scheduler_with(flaky(base))
+        pool = scheduler.kv_cache_manager.block_pool
+        scheduler.defer_block_free = True
+        for i in range(3):
+            scheduler.add_request(make_request(f"r{i}", list(range(i * 100, i * 100 + 40))))
+        scheduler.schedule()
+        scheduler.finish_requests(["r0", "r1", "r2"], RequestStatus.FINISHED_ABORTED)  # in flight
+        scheduler.processed_step_seq = scheduler.sched_step_seq
+        with pytest.raises(RuntimeError, match="transient"):
+            scheduler._drain_deferred_frees()
+        left = len(scheduler.deferred_frees)
+        scheduler._drain_deferred_frees()
+        return left, pool.get_num_free_blocks()
+
+    want = run(VllmBlockPool)
+    assert want == (2, 60)
+    kvpool.install()
+    try:
+        assert run(BlockPool) == want
+    finally:
+        kvpool.uninstall()

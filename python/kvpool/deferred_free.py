@@ -223,8 +223,14 @@ def _drain_deferred_frees(self) -> None:
                 if queue.free_ready(self.processed_step_seq, pool):
                     pool._after_free()
             else:
-                for blocks in queue.drain(self.processed_step_seq):
-                    pool.free_blocks(blocks)
+                # One request at a time, as vLLM pops one entry before freeing it: a
+                # free_blocks override that raises loses no later request's blocks.
+                while True:
+                    parts = queue.drain(self.processed_step_seq, max_requests=1)
+                    if not parts:
+                        break
+                    for blocks in parts:
+                        pool.free_blocks(blocks)
         return
     free_blocks = pool.free_blocks
     while queue:

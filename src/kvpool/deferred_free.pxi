@@ -254,8 +254,10 @@ cdef class FencedDeferredFreeQueue:
                 last_index = self._last_owner_index
         return n
 
-    def drain(self, processed_step_seq):
-        """Remove the leading entries whose fence is met.
+    def drain(self, processed_step_seq, max_requests=None):
+        """Remove the leading entries whose fence is met (at most ``max_requests``
+        entries, int >= 0, when given: a caller that frees them one request at a time
+        loses no later request when a free raises, as vLLM's ``popleft`` loop).
 
         Returns:
             ``list[list[KVCacheBlock]]``: one list per ``free_blocks`` call to make, in
@@ -263,11 +265,13 @@ cdef class FencedDeferredFreeQueue:
             order, oldest entry first. Free each with its own call (one call for several
             lists would interleave their front/tail placement).
         Raises:
-            TypeError: ``processed_step_seq`` is not an int.
+            TypeError: ``processed_step_seq`` or ``max_requests`` is not an int.
+            ValueError: ``max_requests < 0``.
             BlockStateError: a queued block was taken over by another free queue;
                 nothing is removed then.
         """
-        cdef size_t ready, e, start, taken_from
+        cdef size_t ready, e, start, taken_from, heads
+        cdef int64_t limit = -1 if max_requests is None else _index(max_requests)
         cdef FencedFreeQueue.Entry entry
         cdef vector[PyObject*] refs
         cdef vector[size_t] ends
@@ -278,9 +282,21 @@ cdef class FencedDeferredFreeQueue:
         # only then, so a failure (MemoryError included) removes nothing. Making the
         # lists may run Python code (a collection); if that code changed the queue, the
         # lists are dropped and the drain starts over, so no entry is returned twice.
+        if limit < -1 or (max_requests is not None and limit < 0):
+            raise ValueError(f"drain(max_requests={max_requests!r}): must be >= 0")
         while True:
             version = self._q.version()
             ready = self._q.ready_entries(processed)
+            if limit >= 0:
+                # The parts of the first `limit` requests (a request's parts are joined).
+                e = heads = 0
+                while e < ready:
+                    if not self._q.entry(e).joined:
+                        if heads == <size_t>limit:
+                            break
+                        heads += 1
+                    e += 1
+                ready = e
             refs.clear()
             ends.clear()
             taken_from = 0
@@ -341,12 +357,9 @@ cdef class FencedDeferredFreeQueue:
         cdef size_t n
         cdef Py_ssize_t freed = 0
         cdef int64_t own_owner
+        cdef uint64_t version
         cdef vector[PyObject*] foreign
-        queue_obj = pool.free_block_queue
-        if not isinstance(queue_obj, FreeKVCacheBlockQueue):
-            raise TypeError(
-                f"free_ready() needs a pool with a kvpool free queue, got {type(queue_obj).__name__}")
-        queue = <FreeKVCacheBlockQueue>queue_obj
+        queue = self._pool_queue(pool)
         enable_caching = bool(pool.enable_caching)
         queue_id = id(queue)
         try:
@@ -359,13 +372,16 @@ cdef class FencedDeferredFreeQueue:
                 entry = self._q.entry(0)
                 n = entry.end - entry.begin
                 if n:
+                    version = self._q.version()
                     try:
                         _free_core(pool, queue, NULL, <Py_ssize_t>n, 1, enable_caching,
                                    self, self._q.handles() + entry.begin, own_owner, &foreign)
                     except _StaleQueueBlock:
                         # Nothing was freed: free the part by its blocks instead, the
                         # ones the pool's replaced queue still holds adopted first.
-                        freed += self._free_part_adopting(pool, queue, enable_caching, foreign)
+                        freed += self._free_part_adopting(pool, queue, enable_caching, foreign, version)
+                        queue = self._pool_queue(pool)
+                        queue_id = id(queue)
                         continue
                 self._q.discard_front(1)
                 freed += 1
@@ -378,21 +394,34 @@ cdef class FencedDeferredFreeQueue:
         self._maybe_reset_tables()
         return freed
 
+    cdef FreeKVCacheBlockQueue _pool_queue(self, object pool):
+        queue_obj = pool.free_block_queue
+        if not isinstance(queue_obj, FreeKVCacheBlockQueue):
+            raise TypeError(
+                f"free_ready() needs a pool with a kvpool free queue, got {type(queue_obj).__name__}")
+        return <FreeKVCacheBlockQueue>queue_obj
+
     cdef int _free_part_adopting(self, object pool, FreeKVCacheBlockQueue queue,
-                                 bint enable_caching, vector[PyObject*]& foreign) except -1:
-        # Returns the number of parts freed (0 or 1).
+                                 bint enable_caching, vector[PyObject*]& foreign,
+                                 uint64_t version) except -1:
+        # Returns the number of parts freed (0 or 1). `version`: the queue's, when the
+        # part was read; creating the exception that brought us here may have run Python
+        # code (a finalizer) that changed the queue or the pool's free queue: then
+        # nothing is done here and free_ready's loop looks again.
         # free_ready's front part holds blocks of `pool` registered to a queue the pool
         # has replaced: adopt them (_adopt_stale), free the part through its block
         # objects, and drop it. Python code may run while adopting: the part is
         # looked up again (by version) before it is freed.
         cdef vector[PyObject*] refs
-        cdef uint64_t version = self._q.version()
-        cdef FencedFreeQueue.Entry entry = self._q.entry(0)
+        cdef FencedFreeQueue.Entry entry
+        if self._q.empty() or self._q.version() != version or pool.free_block_queue is not queue:
+            return 0
+        entry = self._q.entry(0)
         self._take(entry.begin, entry.end, refs)
         blocks = _list_from_refs(refs)
         _adopt_stale(pool, queue, blocks)
-        if self._q.version() != version:
-            return 0  # the queue changed meanwhile: free_ready's loop looks again (no part freed)
+        if self._q.version() != version or pool.free_block_queue is not queue:
+            return 0  # changed meanwhile (adopted blocks stay adopted, held)
         _free_core(pool, queue, kvpool_list_items(<PyObject*>blocks), PyList_GET_SIZE(blocks), 1,
                    enable_caching, None, NULL, -1, &foreign)
         # No Python code ran since _free_core: drop the part before anything else.

@@ -90,33 +90,32 @@ def pool_free_blocks(object pool, FreeKVCacheBlockQueue queue not None,
     cdef vector[PyObject*] foreign
     if n == 0:
         return None
-    try:
-        _free_core(pool, queue, kvpool_list_items(<PyObject*>seq) + start, n, step,
-                   enable_caching, None, NULL, -1, &foreign)
-    except _StaleQueueBlock:
-        # Nothing was freed. Adopt the blocks the pool's old queue still holds, then
-        # free once more (over a private copy: adopting may run Python code).
-        seq = _copy_items(seq, start, step, n)
-        _adopt_stale(pool, queue, seq)
-        _free_core(pool, queue, kvpool_list_items(<PyObject*>seq), n, 1,
+    cdef vector[PyObject*] stale
+    cdef list blocks
+    cdef int tries
+    if _free_core(pool, queue, kvpool_list_items(<PyObject*>seq) + start, n, step,
+                  enable_caching, None, NULL, -1, &foreign, &stale) == 1:
+        # Nothing was freed: blocks of this pool are held in a queue the pool has
+        # replaced. Adopt them into the pool's queue (Python code may run meanwhile,
+        # even replace the queue again: look again until it stays), then free once
+        # more over the private list `stale` became.
+        blocks = _list_from_refs(stale)
+        for tries in range(4):
+            _adopt_stale(pool, queue, blocks)
+            current = getattr(pool, "free_block_queue", queue)
+            if current is queue:
+                break
+            if not isinstance(current, FreeKVCacheBlockQueue) or tries == 3:
+                raise BlockStateError(
+                    "free_blocks(): the pool's free_block_queue was replaced while its "
+                    "blocks were being freed; nothing was freed")
+            queue = <FreeKVCacheBlockQueue>current
+        _free_core(pool, queue, kvpool_list_items(<PyObject*>blocks), PyList_GET_SIZE(blocks), 1,
                    enable_caching, None, NULL, -1, &foreign)
     try:
         return _forwarded(foreign)
     finally:
         _release_parked()
-
-
-cdef list _copy_items(list seq, Py_ssize_t start, Py_ssize_t step, Py_ssize_t n):
-    # seq[start], seq[start + step], ... (n items) as a new list; no Python code runs
-    # between reading the items and owning them.
-    cdef list out = PyList_New(n)
-    cdef Py_ssize_t i
-    cdef PyObject* o
-    for i in range(n):
-        o = PyList_GET_ITEM(seq, start + i * step)
-        Py_INCREF_ptr(o)
-        kvpool_list_items(<PyObject*>out)[i] = o  # the list takes the reference
-    return out
 
 
 cdef int _adopt_stale(object pool, FreeKVCacheBlockQueue queue, list blocks) except -1:
@@ -229,7 +228,8 @@ cdef int _free_one(PyObject* o, PyObject* pool, FreeKVCacheBlockQueue queue,
 cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
                     Py_ssize_t n, Py_ssize_t step, bint enable_caching,
                     FencedDeferredFreeQueue deferred, const int64_t* handles,
-                    int64_t own_owner, vector[PyObject*]* foreign_out) except -1:
+                    int64_t own_owner, vector[PyObject*]* foreign_out,
+                    vector[PyObject*]* stale_out=NULL) except -1:
     # The loop of pool_free_blocks over items[0], items[step], ... (n of them, borrowed
     # references the caller keeps alive), or, when `handles` is not NULL, over the
     # blocks named by handles[0 .. n-1] of `deferred` (resolved as the loop goes;
@@ -365,6 +365,22 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
                 continue
             _read_refs(o, &refs)
             _undo_refs(o, refs + 1, &rb, &jn, j + 1)  # the value it had
+        if err == E_STALE and stale_out is not NULL and handles is NULL:
+            # A block of this pool held in a queue the pool replaced: the caller adopts
+            # it and frees again (returns 1). It gets the blocks as owned references
+            # before any Python code can run (the flush below, or an exception's
+            # creation, could run a finalizer that changes the caller's list).
+            try:
+                deref(stale_out).resize(n)
+            except MemoryError:
+                deref(stale_out).clear()  # no room: raised as an error below
+            else:
+                for j in range(n):
+                    o = items[j * step]
+                    Py_INCREF_ptr(o)
+                    deref(stale_out)[j] = o
+                _flush(&rb)
+                return 1
         if k == n or err == E_TAKEN_OVER or err == E_CORRUPT_HANDLE:
             culprit = None
         elif handles is NULL:

@@ -4,26 +4,64 @@
 cdef object _NO_WATCHER = object()
 
 
-def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,
-                      dict reuse_watchers, object on_reuse, object pool=None):
-    """``BlockPool.unpin_blocks`` (vLLM 0.33.0): ``ref_cnt -= 1``, register ``on_reuse``
-    for each block (``reuse_watchers[block_id]``), and append blocks reaching 0 to the
-    tail of the free queue.
+cdef inline int _unpin_check(PyObject* o, FreeKVCacheBlockQueue queue, long* refs):
+    # Whether block `o` can be unpinned once more (E_NONE), or why not. Never raises and
+    # runs no Python code.
+    cdef int32_t slot
+    if not isinstance(<object>o, KVCacheBlock):
+        return E_NOT_BLOCK
+    if _null_state(o) != 0 or not _read_refs(o, refs):
+        return E_REF_FIELD
+    slot = (<KVCacheBlock>o)._slot
+    if (refs[0] <= 0 or (<KVCacheBlock>o)._queue is not queue
+            or not (0 <= slot < queue._list.capacity()) or queue._list.contains_unchecked(slot)):
+        return E_DOUBLE_FREE
+    return E_NONE
 
-    Strong: every block is checked and decremented, then every watcher registered,
-    then the blocks reaching 0 linked; on any error (a bad block, or MemoryError in
-    either step) everything done so far is undone and nothing has changed. No Python
-    code runs until the call has done its work (block ids must be exact ints, so
-    registering a watcher runs no ``__hash__``/``__eq__``; replaced watchers are kept
-    alive until then).
+
+cdef object _watcher_of(object reuse_watchers, object key):
+    if type(reuse_watchers) is dict:
+        return (<dict>reuse_watchers).get(key, _NO_WATCHER)
+    try:
+        return reuse_watchers[key]
+    except KeyError:
+        return _NO_WATCHER
+
+
+cdef void _restore_watchers(object reuse_watchers, list blist, list saved, Py_ssize_t j):
+    # Put back what the first j registrations replaced, last first. Best effort: a key
+    # whose __eq__ raises leaves its entry as it is (the pool's blocks are untouched).
+    cdef object key
+    while j > 0:
+        j -= 1
+        key = _block_id(<KVCacheBlock>PyList_GET_ITEM(blist, j))
+        try:
+            if saved[j] is _NO_WATCHER:
+                del reuse_watchers[key]
+            else:
+                reuse_watchers[key] = saved[j]
+        except Exception:
+            pass
+
+
+def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,
+                      object reuse_watchers, object on_reuse, object pool=None):
+    """``BlockPool.unpin_blocks`` (vLLM 0.33.0): ``ref_cnt -= 1``, register ``on_reuse``
+    for each block (``reuse_watchers[block_id]``, any mapping), and append blocks
+    reaching 0 to the tail of the free queue.
+
+    Strong: the blocks are checked first; then the watchers are registered, while no
+    block has changed (registering can run Python code: a key's ``__eq__``, a mapping's
+    ``__setitem__``); then every block is checked again and decremented, and those
+    reaching 0 linked, with no Python code running. On any error everything done so far
+    is undone (the watchers as far as their keys allow) and no block has changed.
 
     ``pool`` (the queue's ``BlockPool``, optional): its blocks still held in a free
     queue the pool has replaced are adopted into ``queue`` first, as ``free_blocks``
     adopts them.
 
     Raises:
-        TypeError: not a kvpool block, a field of the wrong type, or a block_id that
-            is not an int.
+        TypeError: not a kvpool block, or a field of the wrong type.
         BlockStateError: a null block, a block with ``ref_cnt <= 0`` (counting repeats
             in ``blocks``), or a block of another queue.
         MemoryError: no memory for a ref_cnt or a watcher entry.
@@ -31,108 +69,89 @@ def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,
     cdef list blist = _private_list(blocks)
     cdef Py_ssize_t n = PyList_GET_SIZE(blist), i = 0, j
     cdef PyObject* o
-    cdef PyObject* prev
-    cdef object key
     cdef KVCacheBlock b
     cdef long refs = 0
-    cdef int32_t slot
-    cdef int32_t capacity = queue._list.capacity()
     cdef vector[int32_t] released
     cdef vector[PyObject*] kept
     cdef vector[Py_ssize_t] kept_idx
     cdef kvpool_refbatch rb
     cdef kvpool_refjournal jn
     cdef int err = E_NONE
-    cdef bint bad_id = False, stale = False
+    cdef bint stale = False
     cdef list saved
     if n == 0:
         return
-    # Everything is allocated before anything changes (a GC-tracked allocation can
-    # start a collection, which runs Python code).
+    # Allocated before anything changes (a GC-tracked allocation can start a
+    # collection, which runs Python code).
     released.reserve(n)
     kept.resize(n)
     kept_idx.resize(n)
     saved = [None] * n
-    kvpool_refbatch_init(&rb)
-    _journal_init(&jn, kept.data(), kept_idx.data())
-    # Check and decrement: no Python code runs (fields are type-checked, never
-    # converted), so blist's items and the blocks cannot change under the loop.
+    # 1. Check (nothing changes, no Python code): a bad block is refused here, before
+    #    the watchers are touched.
     while i < n:
         o = PyList_GET_ITEM(blist, i)
-        if not isinstance(<object>o, KVCacheBlock):
-            err = E_NOT_BLOCK
-            break
-        if _null_state(o) != 0 or not _read_refs(o, &refs):
-            err = E_REF_FIELD
-            break
-        b = <KVCacheBlock>o
-        slot = b._slot
-        if (refs <= 0 or b._queue is not queue or not (0 <= slot < capacity)
-                or queue._list.contains_unchecked(slot)):
-            err = E_DOUBLE_FREE
-            stale = pool is not None and b.pool is pool and b._queue is not None and b._queue is not queue
-            break
-        if b._block_id_o is NULL or not _PyLong_CheckExact(b._block_id_o):
-            err = E_NOT_BLOCK
-            bad_id = True
-            break
-        err = _put_refs_kept(o, refs - 1, &rb, &jn, i)
+        err = _unpin_check(o, queue, &refs)
         if err != E_NONE:
+            stale = (err == E_DOUBLE_FREE and pool is not None and refs > 0
+                     and (<KVCacheBlock>o).pool is pool and (<KVCacheBlock>o)._queue is not None)
             break
-        if refs == 1:
-            released.push_back(slot)  # (reserved: cannot allocate)
         i += 1
     if err == E_NONE:
-        # Register the watchers. Keys are exact ints: no Python code runs; a replaced
-        # watcher stays alive in `saved`, so its release runs nothing either.
+        # 2. Register the watchers, keeping the ones they replace (alive, so their
+        #    release runs nothing until the end). Python code may run here; no block
+        #    has changed yet, and step 3 checks every block again.
         j = 0
-        while j < n:
-            key = <object>(<KVCacheBlock>PyList_GET_ITEM(blist, j))._block_id_o
-            prev = PyDict_GetItem(reuse_watchers, key)
-            saved[j] = _NO_WATCHER if prev is NULL else <object>prev
-            try:
+        try:
+            while j < n:
+                key = _block_id(<KVCacheBlock>PyList_GET_ITEM(blist, j))
+                saved[j] = _watcher_of(reuse_watchers, key)
                 reuse_watchers[key] = on_reuse
-            except MemoryError:
-                err = E_NO_MEMORY
+                j += 1
+        except BaseException:
+            _restore_watchers(reuse_watchers, blist, saved, j)
+            raise
+        # 3. Check and decrement (no Python code: blist's items and the blocks cannot
+        #    change under the loop).
+        kvpool_refbatch_init(&rb)
+        _journal_init(&jn, kept.data(), kept_idx.data())
+        i = 0
+        while i < n:
+            o = PyList_GET_ITEM(blist, i)
+            err = _unpin_check(o, queue, &refs)
+            if err == E_NONE:
+                err = _put_refs_kept(o, refs - 1, &rb, &jn, i)
+            if err != E_NONE:
                 break
-            j += 1
+            if refs == 1:
+                released.push_back((<KVCacheBlock>o)._slot)  # (reserved: cannot allocate)
+            i += 1
         if err != E_NONE:
-            # Put back what the first j registrations replaced, last first: the keys
-            # are present, so neither step allocates.
-            while j > 0:
+            # Undo the decrements, last first (the journal gives back replaced ref_cnt
+            # objects: nothing is allocated), then the watchers.
+            j = i - 1
+            while j >= 0:
+                o = PyList_GET_ITEM(blist, j)
+                _read_refs(o, &refs)
+                _undo_refs(o, refs + 1, &rb, &jn, j)
                 j -= 1
-                key = <object>(<KVCacheBlock>PyList_GET_ITEM(blist, j))._block_id_o
-                if saved[j] is _NO_WATCHER:
-                    del reuse_watchers[key]
-                else:
-                    reuse_watchers[key] = saved[j]
+            _flush(&rb)
+            _restore_watchers(reuse_watchers, blist, saved, n)
     if err != E_NONE:
-        # Undo the decrements, last first; the journal gives back replaced ref_cnt
-        # objects, so nothing is allocated.
-        j = i - 1  # (i == n when the watchers failed)
-        while j >= 0:
-            o = PyList_GET_ITEM(blist, j)
-            _read_refs(o, &refs)
-            _undo_refs(o, refs + 1, &rb, &jn, j)
-            j -= 1
-        _flush(&rb)
         if stale:
             # Nothing changed: adopt the pool's blocks that its replaced queue holds,
             # then unpin once more (without `pool`: a second stale block is refused).
             _adopt_stale(pool, queue, blist)
             return pool_unpin_blocks(queue, blist, reuse_watchers, on_reuse)
         if err == E_NO_MEMORY:
-            raise MemoryError("unpin_blocks(): no memory for a ref_cnt or a reuse watcher")
+            raise MemoryError("unpin_blocks(): no memory for a ref_cnt")
         b = _as_block(<object>PyList_GET_ITEM(blist, i))
-        if bad_id:
-            raise TypeError("unpin_blocks(): block_id must be an int, got "
-                            + ("nothing (deleted)" if b._block_id_o is NULL else _type_name(b._block_id_o)))
         refs = _ref_cnt(b)
         _is_null(b)
         raise BlockStateError(
             f"unpin_blocks(): block {_id_text(<PyObject*>b)} is null, not held "
             f"(ref_cnt={refs}) or not in this pool")
-    # Link: every released block was checked (held, in range, not free), so this
+    # 4. Link: every released block was checked (held, in range, not free), so this
     # cannot fail. Then the parked objects and the saved watchers are released (that
     # may run Python code: the call's work is done).
     if released.size():
