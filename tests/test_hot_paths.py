@@ -312,3 +312,18 @@ def test_the_scheduler_drain_uses_a_subclass_override_of_free_blocks(installed):
         deferred_free._drain_deferred_frees(Sched())
         assert len(calls) == expect_calls
         assert pool.free_block_queue.free_block_ids()[:3] == [b.block_id for b in reversed(blocks)]
+
+
+def test_free_ready_drops_a_part_that_holds_no_block_and_goes_on():
+    # Something that is not a block, queued by mistake, can never be freed: once, it
+    # stopped every later deferred free for good. vLLM's loop pops an entry before
+    # freeing it (losing that entry); kvpool drops that part and frees the rest.
+    pool = BlockPool(16, enable_caching=False, hash_block_size=16)
+    good = pool.get_new_blocks(3)
+    q = FencedDeferredFreeQueue()
+    q.push(1, [None])
+    q.push(1, good)
+    with pytest.raises(TypeError, match="got NoneType"):
+        q.free_ready(1, pool)
+    assert len(q) == 1 and q.num_blocks == 3
+    assert q.free_ready(1, pool) == 1 and pool.get_num_free_blocks() == 15 and not q

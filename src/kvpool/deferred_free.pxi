@@ -349,6 +349,9 @@ cdef class FencedDeferredFreeQueue:
             BlockStateError: a block of the part was taken over by another queue, or
                 the part would double free a block; that part and the ones after it
                 stay queued, the ones before it are freed.
+            TypeError: the part holds an object that is not a block (pushed by
+                mistake): that part is dropped (as vLLM's loop loses the entry), the
+                ones after it stay queued.
         """
         cdef int64_t processed = _index(processed_step_seq)
         cdef FreeKVCacheBlockQueue queue
@@ -376,6 +379,12 @@ cdef class FencedDeferredFreeQueue:
                     try:
                         _free_core(pool, queue, NULL, <Py_ssize_t>n, 1, enable_caching,
                                    self, self._q.handles() + entry.begin, own_owner, &foreign)
+                    except _NotABlockError:
+                        # Never freeable (None, a str, ...): drop the part, as vLLM's
+                        # loop pops an entry before freeing it, so later frees go on.
+                        if self._q.version() == version:
+                            self._q.discard_front(1)
+                        raise
                     except _StaleQueueBlock:
                         # Nothing was freed: free the part by its blocks instead, the
                         # ones the pool's replaced queue still holds adopted first.

@@ -37,6 +37,12 @@ cdef enum:
     E_STALE = 12          # free_blocks: a block of this pool registered to a queue it replaced
 
 
+class _NotABlockError(KvpoolError, TypeError):
+    """A free loop met an object that is not a block at all (it can never be freed);
+    the deferred drain drops the part that holds it, as vLLM's ``popleft`` loop loses
+    that entry, instead of stopping every later free behind it."""
+
+
 class _StaleQueueBlock(BlockStateError):
     """A free loop met a block of its pool that is registered to a free queue the pool
     has since replaced (``pool.free_block_queue = FreeKVCacheBlockQueue(...)`` while
@@ -57,7 +63,7 @@ cdef int _raise_loop_error(int err, object blk, str op, long refs) except -1:
     if err == E_CORRUPT_HANDLE:
         raise RuntimeError("corrupt deferred-free handle")
     if err == E_NOT_BLOCK:
-        raise TypeError(f"{op}() expects kvpool KVCacheBlock objects, got {_type_name(o)}")
+        raise _NotABlockError(f"{op}() expects kvpool KVCacheBlock objects, got {_type_name(o)}")
     if err == E_NULL_FIELD:
         _is_null(<KVCacheBlock>blk)  # raises AttributeError / TypeError
     elif err == E_REF_FIELD:
