@@ -424,3 +424,21 @@ def test_a_free_blocks_override_that_raises_in_the_deferred_drain_loses_what_vll
         assert run(BlockPool) == want
     finally:
         kvpool.uninstall()
+
+
+def test_a_contiguous_pool_whose_queue_was_rebuilt_still_restores_the_canonical_order():
+    # The rebuilt queue keeps vLLM's order and no segments: once, the reorder raised
+    # "the free list does not track its segments".
+    kvpool.install(allocation="contiguous")
+    try:
+        pool = _reordering(BlockPool)(16, True, 16)
+        held = pool.get_new_blocks(5)
+        pool.reorder_free_queue()
+        pool.free_blocks(reversed(held))  # adopted, to the front: 1..5 reversed
+        assert pool.free_block_queue.free_block_ids()[:5] == [5, 4, 3, 2, 1]
+        assert pool.reset_free_block_queue_order() is True
+        assert pool.free_block_queue.free_block_ids() == list(range(1, 16))
+        assert pool.reset_prefix_cache(reorder_free_queue=True) is True
+        pool.free_block_queue.check_invariants()
+    finally:
+        kvpool.uninstall()

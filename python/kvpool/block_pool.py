@@ -427,8 +427,9 @@ class BlockPool(VllmBlockPool):
         objects can hold a hash, so only those are visited.
 
         A MemoryError before the reset takes effect leaves the pool as it was (the
-        reorder runs first); once it has, only vLLM's own effects (the watchers'
-        callbacks, the log line, the event) can still raise, as on vLLM.
+        reorder runs first); once it has, only vLLM's own steps after it (notifying
+        the reuse watchers and their callbacks, the log line, the event) can still
+        raise, as on vLLM.
 
         Args:
             reorder_free_queue: after a successful reset, also restore the canonical
@@ -521,11 +522,13 @@ class BlockPool(VllmBlockPool):
                 num_used_blocks - 1,
             )
             return False
-        if self.allocation == "contiguous":
+        if self.allocation == "contiguous" and self.free_block_queue.allocation_order == "contiguous":
             self.free_block_queue.rebuild_uncached_canonical()
             self.free_block_queue.release_all_extents()
             self._table_owners.clear()
         else:
+            # (Also a contiguous pool whose free_block_queue was replaced by a new
+            # queue, which keeps vLLM's order and no segments.)
             self.free_block_queue.rebuild_canonical()
         return True
 
