@@ -86,6 +86,9 @@ for name in "$@"; do
   ext_suffix="$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
   multiarch="$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("MULTIARCH") or "")')"
   pyxy="$("$py" -c 'import sys; print(f"python{sys.version_info[0]}.{sys.version_info[1]}")')"
+  # Debian's (multiarch) headers: its pyconfig.h only includes the one of the architecture.
+  # pyenv's and other self-built interpreters have a plain pyconfig.h and need nothing.
+  pyinclude="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
   for arch in $archs; do
     plat="manylinux_${glibc/./_}_$arch"
     build="build/wheel-$tag${KVPOOL_BUILD_SUFFIX:-}"
@@ -106,15 +109,31 @@ for name in "$@"; do
     # folder is made visible: the host's own for a native build, the arm64 package's for
     # a cross build.
     cxxflags=""
-    if [ -n "$multiarch" ] && [ -f "/usr/include/$multiarch/$pyxy/pyconfig.h" ]; then
+    if [ -n "$multiarch" ] && grep -q "include <$multiarch/$pyxy/pyconfig.h>" "$pyinclude/pyconfig.h" 2>/dev/null; then
       target_multiarch="$arch-linux-gnu"
       pyconfig_dir="/usr/include/$target_multiarch/$pyxy"
       if [ "$arch" != "$host_arch" ]; then
         pyconfig_dir="$here/$build/deb/usr/include/$target_multiarch/$pyxy"
         if [ ! -f "$pyconfig_dir/pyconfig.h" ]; then
+          # The same release's arm64 package, straight from the mirror's package index
+          # (no foreign architecture added to this system's dpkg).
           debarch="$arch"; [ "$arch" = aarch64 ] && debarch=arm64
-          dpkg --print-foreign-architectures | grep -qx "$debarch" || { dpkg --add-architecture "$debarch"; apt-get update -qq; }
-          (cd "$build" && rm -f ./*.deb && apt-get download -qq "lib$pyxy-dev:$debarch" && dpkg-deb -x lib"$pyxy"-dev_*.deb deb)
+          release="$(. /etc/os-release; echo "${VERSION_CODENAME:-sid}")"
+          "$tools/bin/python" - "$release" "$debarch" "lib$pyxy-dev" "$build/lib$pyxy-dev.deb" <<'PYEOF'
+import lzma, sys, urllib.request
+release, arch, package, dest = sys.argv[1:]
+mirror = "http://deb.debian.org/debian"
+index = lzma.decompress(urllib.request.urlopen(f"{mirror}/dists/{release}/main/binary-{arch}/Packages.xz").read()).decode()
+for stanza in index.split("\n\n"):
+    fields = dict(line.split(": ", 1) for line in stanza.splitlines() if ": " in line and not line.startswith(" "))
+    if fields.get("Package") == package:
+        print(f"build-wheel: {package} {fields['Version']} ({arch}) from {mirror}")
+        urllib.request.urlretrieve(f"{mirror}/{fields['Filename']}", dest)
+        break
+else:
+    sys.exit(f"build-wheel: no {package} for {arch} in Debian {release}")
+PYEOF
+          dpkg-deb -x "$build/lib$pyxy-dev.deb" "$build/deb"
         fi
       fi
       mkdir -p "$build/include/$target_multiarch"
