@@ -140,13 +140,23 @@ PYEOF
       ln -sfn "$pyconfig_dir" "$build/include/$target_multiarch/"
       cxxflags="-isystem $here/$build/include"
     fi
+    # Export PyInit__core and nothing else. The libc++ linked in defines operator new and
+    # delete with default visibility; exported, they are interposed by whichever C++
+    # runtime the process loaded first (torch's libstdc++ in every vLLM process), and a
+    # failing allocation then throws libstdc++'s bad_alloc through libgcc's unwinder into
+    # frames whose personality routine is libc++abi's: a segmentation fault where
+    # kvpool raises MemoryError (tests/test_fault_injection.py: rc -11 at the first
+    # failed allocation). Local symbols bind inside the extension: its own runtime only.
+    printf '{\n  global: PyInit__core;\n  local: *;\n};\n' > "$build/exports.map"
+    ldflags="-Wl,--version-script=$here/$build/exports.map"
     raw="$(mktemp -d)"
     "${cross[@]}" "$tools/bin/python" -m pip wheel -q --disable-pip-version-check --no-deps -w "$raw" \
       --config-settings=build-dir="$build/cmake" \
       --config-settings=cmake.define.CMAKE_CXX_COMPILER="$here/$tools/bin/zig-$arch-c++" \
       --config-settings=cmake.define.CMAKE_AR="$here/$tools/bin/zig-$arch-ar" \
       --config-settings=cmake.define.CMAKE_RANLIB="$here/$tools/bin/zig-$arch-ranlib" \
-      --config-settings=cmake.define.CMAKE_CXX_FLAGS="$cxxflags" .
+      --config-settings=cmake.define.CMAKE_CXX_FLAGS="$cxxflags" \
+      --config-settings=cmake.define.CMAKE_MODULE_LINKER_FLAGS="$ldflags" .
     # auditwheel offers only the host's architecture as --plat choices (its parser asks
     # platform.machine()); the check itself reads the wheel's own ELF files, so the
     # target's machine name is what it is told.
@@ -171,6 +181,11 @@ sys.argv[0] = "auditwheel"; sys.exit(main())' "$arch" repair --plat "$plat" -w w
     esac
     if readelf -d "$so" | grep -q 'NEEDED.*libstdc++' || readelf -V "$so" | grep -q GLIBCXX_; then
       echo "build-wheel: $so still needs libstdc++" >&2
+      exit 1
+    fi
+    exported="$(readelf --dyn-syms -W "$so" | awk '$7 != "UND" && $8 != "" && $1 ~ /^[0-9]+:$/ {print $8}' | grep -v -x PyInit__core || true)"
+    if [ -n "$exported" ]; then
+      echo "build-wheel: $so exports more than PyInit__core: $(echo "$exported" | head -5 | tr '\n' ' ')" >&2
       exit 1
     fi
     echo "build-wheel: $wheel ($machine; needs: $(readelf -d "$so" | sed -n 's/.*NEEDED.*\[\(.*\)\]/\1/p' | tr '\n' ' '))"
