@@ -108,7 +108,11 @@ for name in "$@"; do
     # not search the host's /usr/include (its glibc headers are 2.28's), so only that
     # folder is made visible: the host's own for a native build, the arm64 package's for
     # a cross build.
-    cxxflags=""
+    # The source build's code generation (CMakeLists.txt: -O3; GCC omits frame pointers at
+    # -O3): `zig c++` hands clang -O2 for any -O3 and keeps frame pointers, so -O3 is
+    # passed to clang's front end itself (the last -O there wins) and frame pointers are
+    # left out (docs/performance.md, "The installed wheel").
+    cxxflags="${KVPOOL_WHEEL_CXXFLAGS--Xclang -O3 -fomit-frame-pointer}"
     if [ -n "$multiarch" ] && grep -q "include <$multiarch/$pyxy/pyconfig.h>" "$pyinclude/pyconfig.h" 2>/dev/null; then
       target_multiarch="$arch-linux-gnu"
       pyconfig_dir="/usr/include/$target_multiarch/$pyxy"
@@ -138,7 +142,7 @@ PYEOF
       fi
       mkdir -p "$build/include/$target_multiarch"
       ln -sfn "$pyconfig_dir" "$build/include/$target_multiarch/"
-      cxxflags="-isystem $here/$build/include"
+      cxxflags="$cxxflags -isystem $here/$build/include"
     fi
     # Export PyInit__core and nothing else. The libc++ linked in defines operator new and
     # delete with default visibility; exported, they are interposed by whichever C++

@@ -170,6 +170,7 @@ SCRIPT_VARIABLES: dict[str, str] = {
     "KVPOOL_TORCH_VERSION": "scripts/bootstrap.sh: the torch version (default 2.13.0)",
     "KVPOOL_WHEEL": "scripts/bootstrap.sh: install this wheel instead of the editable build",
     "KVPOOL_WHEEL_ARCHS": "scripts/build-wheel.sh: the architectures to build (default: x86_64 aarch64)",
+    "KVPOOL_WHEEL_CXXFLAGS": "scripts/build-wheel.sh: extra compiler flags (default: -Xclang -O3 -fomit-frame-pointer)",
     "KVPOOL_BUILD_SUFFIX": "scripts/build-wheel.sh: suffix of the build folders (chroots)",
     "KVPOOL_CHROOT_DIR": "scripts/test-python.sh, scripts/test-arch.sh: where the Debian chroots live (default /var/tmp/kvpool-chroots)",
     "KVPOOL_PY_ROUTE": "scripts/test-python.sh: chroot or pyenv forces that route to the interpreter",
