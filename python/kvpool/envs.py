@@ -18,7 +18,7 @@ One parsing rule for every variable of a kind:
 
 Variables read only by the shell scripts (``scripts/bootstrap.sh``:
 ``KVPOOL_VLLM_VERSION``, ``KVPOOL_VENV``, ``KVPOOL_TORCH_VERSION``, ``KVPOOL_WHEEL``;
-``scripts/build-wheel.sh``: ``KVPOOL_WHEEL_PLAT``, ``KVPOOL_BUILD_SUFFIX``;
+``scripts/build-wheel.sh``: ``KVPOOL_WHEEL_ARCHS``, ``KVPOOL_BUILD_SUFFIX``;
 ``scripts/test-python.sh``: ``KVPOOL_CHROOT_DIR``, ...) and by
 kvpool's own tests (``KVPOOL_DIFF_OPS``, ...) are listed in :data:`SCRIPT_VARIABLES`
 so this module names every ``KVPOOL_*`` variable of the project.
@@ -169,11 +169,14 @@ SCRIPT_VARIABLES: dict[str, str] = {
     VENV: "scripts/bootstrap.sh: the environment's folder (default .venv)",
     "KVPOOL_TORCH_VERSION": "scripts/bootstrap.sh: the torch version (default 2.13.0)",
     "KVPOOL_WHEEL": "scripts/bootstrap.sh: install this wheel instead of the editable build",
-    "KVPOOL_WHEEL_PLAT": "scripts/build-wheel.sh: the manylinux tag (default manylinux_2_28_x86_64)",
+    "KVPOOL_WHEEL_ARCHS": "scripts/build-wheel.sh: the architectures to build (default: x86_64 aarch64)",
+    "KVPOOL_WHEEL_CXXFLAGS": "scripts/build-wheel.sh: extra compiler flags (default: -Xclang -O3 -fomit-frame-pointer)",
     "KVPOOL_BUILD_SUFFIX": "scripts/build-wheel.sh: suffix of the build folders (chroots)",
-    "KVPOOL_CHROOT_DIR": "scripts/test-python.sh: where the Debian chroots live (default /var/tmp/kvpool-chroots)",
-    "KVPOOL_PY_ROUTE": "scripts/test-python.sh: chroot forces the chroot route",
-    "KVPOOL_IN_CHROOT": "scripts/test-python.sh: set inside the chroot (internal)",
+    "KVPOOL_CHROOT_DIR": "scripts/test-python.sh, scripts/test-arch.sh: where the Debian chroots live (default /var/tmp/kvpool-chroots)",
+    "KVPOOL_PY_ROUTE": "scripts/test-python.sh: chroot or pyenv forces that route to the interpreter",
+    "KVPOOL_PY_CONFORMANCE": "scripts/test-python.sh: 0 skips vLLM's own tests after kvpool's suite",
+    "KVPOOL_ARCH_WHEEL": "scripts/test-arch.sh: the wheel to install in the arm64 chroot (internal)",
+    "KVPOOL_IN_CHROOT": "scripts/test-python.sh, scripts/test-arch.sh: set inside the chroot (internal)",
     "KVPOOL_PY_VENV": "scripts/test-python.sh: the environment's folder",
     "KVPOOL_DIFF_OPS": "tests: operations of the long differential (default 10000)",
     "KVPOOL_DIFF_SEED": "tests: seed of the differentials",
