@@ -17,31 +17,12 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue as VllmFreeKVCache
 from vllm.v1.core.kv_cache_utils import KVCacheBlock as VllmKVCacheBlock
 
 import kvpool
-from kvpool._core import FencedDeferredFreeQueue, FreeKVCacheBlockQueue, KVCacheBlock, count_table_pairs, make_pool_blocks
+from kvpool._core import FencedDeferredFreeQueue, FreeKVCacheBlockQueue, KVCacheBlock, make_pool_blocks
 from kvpool.block_pool import BlockPool, NotAKvpoolPoolError, VllmBlockPool
 from tests.vllm_helpers import make_request, make_scheduler, runner_output
 
 
 # -- user code inside a native loop ------------------------------------------------------
-def test_count_table_pairs_reads_the_list_after_prev_lasts_int():
-    _, queue = make_pool_blocks(None, 16)
-    blocks = queue.popleft_n(6)
-
-    class EmptiesTheList:
-        def __index__(self):
-            blocks.clear()
-            return 3
-
-        __int__ = __index__
-
-    counters = [0, 0, 0, 0]
-    count_table_pairs(EmptiesTheList(), blocks, counters)  # once: SIGSEGV
-    assert counters == [0, 0, 0, 0]  # the list it read was empty by then
-    # The plain case still counts.
-    count_table_pairs(5, queue.popleft_n(3), counters)  # blocks 6, 7, 8 after 5
-    assert counters == [3, 3, 3, 0]
-
-
 @pytest.mark.usefixtures("installed")
 def test_evict_blocks_with_an_index_that_empties_a_plain_block_list_raises_like_vllm():
     pool = BlockPool(16, True, 16)
@@ -246,15 +227,6 @@ def test_a_queue_used_by_the_iterable_it_is_built_from_is_refused():
         queue.__init__(blocks())
     assert stale in queue and queue.free_block_ids() == [100]  # once: stale, then lost
     queue.check_invariants()
-
-
-@pytest.mark.usefixtures("installed")
-def test_malformed_table_counters_are_refused_before_anything_is_taken():
-    pool = BlockPool(32, True, 16)
-    pool._table_counters = [0, 0, 0]
-    with pytest.raises(TypeError, match="table_counters"):
-        pool._native_get_new_blocks(5, table_last=3)
-    assert pool.get_num_free_blocks() == 31  # once: 5 blocks taken, then lost
 
 
 def test_a_subclass_that_skips_init_frees_deferred_blocks_like_vllm():

@@ -43,15 +43,15 @@ def _grow_interleaved(spec, policy: str) -> tuple[dict[str, list[int]], dict]:
             spec, max_in_flight_tokens=2048, max_model_len=4096, block_pool=pool, enable_caching=False,
             kv_cache_group_id=0, scheduler_block_size=16)
         for r in range(4):
-            pool._expected_tokens[f"r{r}"] = 16 * 15  # what allocate_slots records: prompt + max_tokens
+            pool._policy.expect_tokens(f"r{r}", 16 * 15)  # what allocate_slots records: prompt + max_tokens
         for step in range(1, 6):
             for r in range(4):
                 manager.allocate_new_blocks(f"r{r}", 16 * 3 * step, 16 * 3 * step)
         tables = {r: [b.block_id for b in blocks if not b.is_null] for r, blocks in manager.req_to_blocks.items()}
-        stats = pool.fragmentation_stats()
         for r in list(manager.req_to_blocks):
             manager.free(r)
         assert pool.free_block_queue.num_reserved_owners == 0  # freeing a table releases its extent
+        stats = pool.fragmentation_stats()  # the tables, counted as they were freed
         return tables, stats
     finally:
         kvpool.uninstall()
@@ -185,27 +185,113 @@ def test_install_switches(monkeypatch):
     assert not kvpool.is_installed()
 
 
-def test_the_default_policy_wraps_only_the_table_growth():
-    # allocate_slots runs for every scheduled request in every step: only the
-    # contiguous policy (extents, expected lengths) pays for a wrapper there.
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+def _frames_between_manager_and_native_call(policy: str, monkeypatch) -> list[str]:
+    """``module:function`` of every kvpool frame between vLLM's
+    ``KVCacheManager.allocate_slots`` and kvpool's native allocation loop (outermost
+    first), for one request scheduled through vLLM's Scheduler with
+    ``allocation=policy``."""
+    import sys
 
-    vanilla_slots = KVCacheManager.allocate_slots
-    vanilla_pop = SingleTypeKVCacheManager.pop_blocks_for_free
-    vanilla_grow = SingleTypeKVCacheManager.allocate_new_blocks
+    from kvpool import block_pool as kp
+
+    seen: list[list[str]] = []
+    native = kp.pool_get_new_blocks
+
+    def spy(*args, **kwargs):
+        chain, frame = [], sys._getframe(1)
+        while frame is not None and not (frame.f_code.co_name == "allocate_slots"
+                                         and frame.f_globals.get("__name__") == "vllm.v1.core.kv_cache_manager"):
+            module = frame.f_globals.get("__name__", "?")
+            if module.startswith("kvpool"):
+                chain.append(f"{module}:{frame.f_code.co_name}")
+            frame = frame.f_back
+        if frame is not None:  # (an allocation outside allocate_slots is not this one)
+            seen.append(chain[::-1])
+        return native(*args, **kwargs)
+
+    monkeypatch.setattr(kp, "pool_get_new_blocks", spy)
+    kvpool.install(allocation=policy)
+    try:
+        scheduler = make_scheduler(num_blocks=64)
+        scheduler.add_request(make_request("r", list(range(40)), max_tokens=20))
+        for _ in range(3):
+            so = scheduler.schedule()
+            scheduler.update_from_output(so, runner_output(so))
+    finally:
+        kvpool.uninstall()
+    assert seen, "the native allocation loop never ran"
+    return seen[0]
+
+
+def test_default_policy_runs_no_kvpool_frame_between_vllm_s_manager_and_the_native_loop(monkeypatch):
+    # The default policy: vLLM's allocate_new_blocks calls the pool's get_new_blocks,
+    # which calls the native loop; no policy wrapper, no context.
+    assert _frames_between_manager_and_native_call("vllm", monkeypatch) == ["kvpool.block_pool:get_new_blocks"]
+
+
+def test_contiguous_policy_runs_its_manager_hook_and_policy(monkeypatch):
+    # The policy that needs to know the table does pay: its hook and its extend_table.
+    chain = _frames_between_manager_and_native_call("contiguous", monkeypatch)
+    assert chain == [
+        "kvpool.allocation.manager_hooks:wrapper",  # around allocate_new_blocks
+        "kvpool.block_pool:get_new_blocks",
+        "kvpool.allocation.contiguous:extend_table",
+        "kvpool.block_pool:_take",
+    ]
+
+
+def test_default_policy_installs_no_manager_hook():
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SingleTypeKVCacheManager
+
+    vanilla = (KVCacheManager.allocate_slots, SingleTypeKVCacheManager.allocate_new_blocks,
+               FullAttentionManager.pop_blocks_for_free)
     kvpool.install()
     try:
-        assert KVCacheManager.allocate_slots is vanilla_slots
-        assert SingleTypeKVCacheManager.pop_blocks_for_free is vanilla_pop
-        assert SingleTypeKVCacheManager.allocate_new_blocks.__kvpool_wrapped__ is vanilla_grow
+        assert (KVCacheManager.allocate_slots, SingleTypeKVCacheManager.allocate_new_blocks,
+                FullAttentionManager.pop_blocks_for_free) == vanilla
     finally:
         kvpool.uninstall()
     kvpool.install(allocation="contiguous")
     try:
-        assert KVCacheManager.allocate_slots.__kvpool_wrapped__ is vanilla_slots
-        assert SingleTypeKVCacheManager.pop_blocks_for_free.__kvpool_wrapped__ is vanilla_pop
-        assert SingleTypeKVCacheManager.allocate_new_blocks.__kvpool_wrapped__ is vanilla_grow
+        assert KVCacheManager.allocate_slots.__kvpool_wrapped__ is vanilla[0]
+        assert SingleTypeKVCacheManager.allocate_new_blocks.__kvpool_wrapped__ is vanilla[1]
     finally:
         kvpool.uninstall()
-    assert (KVCacheManager.allocate_slots, SingleTypeKVCacheManager.pop_blocks_for_free) == (vanilla_slots, vanilla_pop)
+    assert KVCacheManager.allocate_slots is vanilla[0]
+
+
+@pytest.mark.parametrize("policy", ["vllm", "contiguous"])
+def test_table_statistics_count_each_freed_table_through_vllm_s_manager(policy):
+    # One request's table of 9 blocks, allocated in 3 steps and freed by vLLM's manager
+    # (tail first): 8 pairs of that table, whatever the policy.
+    kvpool.install(allocation=policy)
+    try:
+        pool = BlockPool(64, False, 16)
+        manager = get_manager_for_kv_cache_spec(
+            SPECS["full"], max_in_flight_tokens=2048, max_model_len=4096, block_pool=pool,
+            enable_caching=False, kv_cache_group_id=0, scheduler_block_size=16)
+        for step in range(1, 4):
+            manager.allocate_new_blocks("r", 16 * 3 * step, 16 * 3 * step)
+        table = [b.block_id for b in manager.req_to_blocks["r"]]
+        assert pool.fragmentation_stats()["table_pairs"] == 0  # counted when freed
+        manager.free("r")
+        stats = pool.fragmentation_stats()
+    finally:
+        kvpool.uninstall()
+    ascending = sum(b == a + 1 for a, b in zip(table, table[1:]))
+    descending = sum(b == a - 1 for a, b in zip(table, table[1:]))
+    assert stats["table_pairs"] == 8
+    assert stats["table_contiguity"] == ascending / 8 and stats["descending_fraction"] == descending / 8
+    assert pool.fragmentation_stats()["table_pairs"] == 0  # the window was reset
+
+
+def test_a_free_that_raises_counts_no_table_pair():
+    pool = BlockPool(32, False, 16)
+    blocks = pool.get_new_blocks(6)
+    pool.free_blocks([blocks[5]])
+    with pytest.raises(ValueError, match="double free"):
+        pool.free_blocks(reversed(blocks))  # blocks[5] is already free: nothing is freed
+    assert pool.free_block_queue.table_counters() == (1, 0, 0, 0)
+    pool.free_blocks(reversed(blocks[:5]))
+    assert pool.free_block_queue.table_counters(reset=True) == (6, 4, 4, 0)

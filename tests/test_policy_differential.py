@@ -90,7 +90,7 @@ class ContiguousSide(KvpoolSide):
         if table_key is None:
             return pool.get_new_blocks(n)
         table = self.manager.req_to_blocks.setdefault(table_key, [])
-        pool._expected_tokens.setdefault(table_key, 16 * (len(table) + n + 8))
+        pool._policy.expected_tokens.setdefault(table_key, 16 * (len(table) + n + 8))
         pool._table_context = (self.manager, table_key)
         try:
             blocks = pool.get_new_blocks(n)

@@ -32,7 +32,6 @@ from kvpool._core import (
     BlockTable,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
-    count_table_pairs,
     make_pool_blocks,
     pool_blocks_to_evict,
     pool_free_blocks,
@@ -118,7 +117,7 @@ class BlockPool(VllmBlockPool):
     construction and never freed. Adds :meth:`reset_free_block_queue_order` (the
     RFC's Option A), ``reset_prefix_cache(reorder_free_queue=True)`` (Option B),
     :meth:`fragmentation_stats`, and the allocation policy in force when the pool is
-    built (:attr:`allocation`, see :mod:`kvpool.allocation`).
+    built (:attr:`allocation`, the policy object's name; see :mod:`kvpool.allocation`).
 
     Args:
         num_gpu_blocks: blocks in the pool, ``> 0``.
@@ -174,23 +173,15 @@ class BlockPool(VllmBlockPool):
         # All blocks (a BlockTable: objects created on first use) and the free
         # queue, natively linked in block_id order.
         self.blocks, self.free_block_queue = make_pool_blocks(self, num_gpu_blocks)
-        #: "vllm" or "contiguous" (kvpool.allocation), fixed for the pool's life.
-        self.allocation = allocation.current()
-        self._restore_on_idle = self.allocation == "vllm" and allocation.reorder_on_idle()
-        if self.allocation == "contiguous":
-            self.free_block_queue.set_allocation_order("contiguous")
-        elif self._restore_on_idle:
-            self.free_block_queue.set_allocation_order("segments")
-        # The block table the current allocation extends (set by the single-type
-        # managers' wrapped allocation methods), tables' owner ids and expected
-        # lengths (tokens) for the extents, and the table statistics' counters
-        # (blocks, pairs, ascending pairs, descending pairs).
+        #: The allocation policy object (kvpool.allocation), fixed for the pool's life;
+        #: its hooks are called unconditionally (the default's do nothing).
+        self._policy = allocation.new_policy(num_gpu_blocks)
+        #: "vllm" or "contiguous": the policy's name.
+        self.allocation = self._policy.name
+        self._policy.attach(self)
+        # The block table the current allocation extends: (manager, request_id), set
+        # by the manager hooks of a policy that installs them, else always None.
         self._table_context = None
-        self._table_owners: dict = {}
-        self._next_owner = 1
-        self._expected_tokens: dict = {}
-        self._table_counters = [0, 0, 0, 0]
-        self._extent_cap = max(1, int(num_gpu_blocks * allocation.EXTENT_CAP_FRACTION))
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.cached_block_hashes_by_block = {}
         # Block 0 is the null block: a placeholder whose ref_cnt is not maintained.
@@ -217,76 +208,35 @@ class BlockPool(VllmBlockPool):
             return VllmBlockPool.get_new_blocks(self, num_blocks)
         context = self._table_context
         if context is not None:
-            return self._extend_table(num_blocks, *context)
+            return self._policy.extend_table(self, num_blocks, *context)
         if self._needs_vllm_loop():
             blocks = VllmBlockPool.get_new_blocks(self, num_blocks)
         else:
-            blocks = self._native_get_new_blocks(num_blocks)
-        if self.allocation == "contiguous":
-            self._absorb_unhashed()
-        return blocks
-
-    def _extend_table(self, num_blocks: int, manager, request_id: str) -> list[KVCacheBlock]:
-        # get_new_blocks for the table (manager, request_id): with the contiguous
-        # policy, continue it / give it an extent; in any policy, count its pairs.
-        table = manager.req_to_blocks.get(request_id)
-        last = None
-        if table:
-            for block in reversed(table):
-                if not block.is_null:
-                    last = block.block_id
-                    break
-        if self.allocation == "contiguous":
-            key = (id(manager), request_id)
-            owner = self._table_owners.get(key)
-            if owner is None:
-                owner = self._table_owners[key] = self._next_owner
-                self._next_owner = self._next_owner % 0x7FFFFFF0 + 1
-            held = len(table) if table else 0
-            expected = self._expected_tokens.get(request_id)
-            if expected is not None:  # prompt + max_tokens, from allocate_slots
-                growth = -(-expected // manager.block_size) - held
-            else:  # unknown: room to double, as a growing array would
-                growth = held + num_blocks
-            want = max(num_blocks, min(growth, self._extent_cap))
-            hint = -1 if last is None else last + 1
-            if self._needs_vllm_loop():  # on the policy's blocks
-                self.free_block_queue.set_allocation_plan(hint, owner, want)
-                try:
-                    blocks = VllmBlockPool.get_new_blocks(self, num_blocks)
-                finally:
-                    self.free_block_queue.set_allocation_plan(-1, 0, 0)
-                self._count_pairs(last, blocks)
-            else:
-                blocks = self._native_get_new_blocks(num_blocks, hint, owner, want, table_last=last)
-            self._absorb_unhashed()
-        elif self._needs_vllm_loop():
-            blocks = VllmBlockPool.get_new_blocks(self, num_blocks)
-            self._count_pairs(last, blocks)
-        else:
-            # The default policy's common path (a request's table grows), one call
-            # straight into the native loop (_native_get_new_blocks, inlined).
+            # The native loop (alloc.pxi), straight from vLLM's manager.
             blocks = pool_get_new_blocks(
                 self.free_block_queue,
                 num_blocks,
                 self.enable_caching,
                 self.cached_block_hashes_by_block,
                 self._maybe_evict_cached_block,
-                -1,
-                0,
-                0,
-                self._table_counters,
-                -1 if last is None else last,
             )
+        self._policy.after_change(self)
         return blocks
 
-    def _native_get_new_blocks(
-        self, num_blocks: int, hint: int = -1, owner: int = 0, want: int = 0, table_last: int | None = -1
-    ) -> list:
-        # The native loop (alloc.pxi). hint/owner/want: the contiguous policy's table;
-        # table_last: the extended table's last block id (None: a new table), whose
-        # pairs with the new blocks are counted; -1: no table, nothing counted.
-        counting = table_last is None or table_last >= 0
+    def _take(self, num_blocks: int, hint: int = -1, owner: int = 0, want: int = 0) -> list[KVCacheBlock]:
+        """``get_new_blocks`` for a policy: the native loop, or vLLM's loop when
+        callbacks must see every block (:meth:`_needs_vllm_loop`), on the queue's
+        order. ``hint``/``owner``/``want``: the contiguous order's plan (the block id
+        to continue at, the table's extent owner, the extent's blocks;
+        ``FreeKVCacheBlockQueue.set_allocation_plan``)."""
+        if self._needs_vllm_loop():
+            if not owner:
+                return VllmBlockPool.get_new_blocks(self, num_blocks)
+            self.free_block_queue.set_allocation_plan(hint, owner, want)
+            try:
+                return VllmBlockPool.get_new_blocks(self, num_blocks)
+            finally:
+                self.free_block_queue.set_allocation_plan(-1, 0, 0)
         return pool_get_new_blocks(
             self.free_block_queue,
             num_blocks,
@@ -296,8 +246,6 @@ class BlockPool(VllmBlockPool):
             hint,
             owner,
             want,
-            self._table_counters if counting else None,
-            -1 if table_last is None else table_last,
         )
 
     def _needs_vllm_loop(self) -> bool:
@@ -309,52 +257,18 @@ class BlockPool(VllmBlockPool):
             or type(self)._maybe_evict_cached_block is not _VLLM_MAYBE_EVICT
         )
 
-    def _count_pairs(self, last, blocks) -> None:
-        # The table statistics after vLLM's loop: best-effort, like the native loop's,
-        # so a failure (no memory) never drops the allocation that was made.
-        try:
-            count_table_pairs(last, blocks, self._table_counters)
-        except MemoryError:
-            pass
-
-    def _absorb_unhashed(self) -> None:
-        # Contiguous policy: the LRU segment's leading blocks without a hash (or a reuse
-        # watcher) are served by vLLM right after the uncached ones; let them join the
-        # sorted uncached segment (nothing cached is hit or evicted differently). Runs
-        # after an operation has done its work, so it never raises: each block it moves
-        # is moved whole, and one it could not move (no memory) stays where vLLM
-        # serves it anyway, right behind the uncached segment.
-        try:
-            self.free_block_queue.absorb_unhashed_lru_front(self.cached_block_hashes_by_block, self._reuse_watchers)
-        except MemoryError:
-            pass
+    def _idle(self) -> bool:
+        # Only the null block is held.
+        return self.free_block_queue.num_free_blocks == self.num_gpu_blocks - 1
 
     def _end_table(self, manager, request_id: str) -> None:
-        # The request's table in `manager` is gone: release its reserved extent.
-        if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
-            return
-        owner = self._table_owners.pop((id(manager), request_id), None)
-        if owner is not None:
-            self.free_block_queue.release_extent(owner)
-        self._expected_tokens.pop(request_id, None)
+        # The request's table in `manager` is gone (the policy's manager hook).
+        if self._kvpool_native:
+            self._policy.end_table(self, manager, request_id)
 
     def _after_free(self) -> None:
-        # Blocks were freed. On idle (only the null block held): no table is live, so
-        # no extent is either; with KVPOOL_REORDER_ON_IDLE=1 the uncached segment is
-        # restored to block_id order.
-        # Runs after the free is done, so it never raises: a reorder that finds no
-        # memory is skipped (the order is only a preference; the next idle moment
-        # tries again).
-        if self.free_block_queue.num_free_blocks != self.num_gpu_blocks - 1:
-            return
-        if self.allocation == "contiguous":
-            self.free_block_queue.release_all_extents()
-            self._table_owners.clear()
-        elif self._restore_on_idle:
-            try:
-                self.free_block_queue.rebuild_uncached_canonical()
-            except MemoryError:
-                pass
+        # Blocks were freed (also by a drained deferred free: kvpool.deferred_free).
+        self._policy.after_free(self)
 
     def free_blocks(self, ordered_blocks) -> None:
         """Decrement ``ref_cnt``; blocks reaching 0 return to the free queue, hashed
@@ -372,8 +286,7 @@ class BlockPool(VllmBlockPool):
         if others:
             for pool, blocks in others.items():
                 pool.free_blocks(blocks)
-        if self._restore_on_idle or self.allocation == "contiguous":
-            self._after_free()
+        self._policy.after_free(self)
 
     def touch(self, blocks) -> None:
         """``ref_cnt += 1`` for each block (prefix-cache hit), taking eviction
@@ -384,8 +297,7 @@ class BlockPool(VllmBlockPool):
             VllmBlockPool.touch(self, blocks)
         else:
             pool_touch(self.free_block_queue, blocks)
-        if self.allocation == "contiguous":
-            self._absorb_unhashed()
+        self._policy.after_change(self)
 
     def unpin_blocks(self, blocks, on_reuse) -> None:
         """Release references to blocks that stay readable until reused. Mirrors
@@ -393,10 +305,8 @@ class BlockPool(VllmBlockPool):
         if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
             return VllmBlockPool.unpin_blocks(self, blocks, on_reuse)
         pool_unpin_blocks(self.free_block_queue, blocks, self._reuse_watchers, on_reuse, self)
-        if self.allocation == "contiguous":
-            self._absorb_unhashed()
-        if self._restore_on_idle or self.allocation == "contiguous":
-            self._after_free()
+        self._policy.after_change(self)
+        self._policy.after_free(self)
 
     def evict_blocks(self, block_ids) -> None:
         """Evict blocks from the prefix cache by id (``set[int]``). Mirrors
@@ -413,8 +323,7 @@ class BlockPool(VllmBlockPool):
             self.blocks, block_ids, self.cached_block_hashes_by_block, every_block
         ):
             self._maybe_evict_cached_block(block)
-        if self.allocation == "contiguous":
-            self._absorb_unhashed()
+        self._policy.after_change(self)
 
     # -- reset / reorder ---------------------------------------------------------------
     def reset_prefix_cache(self, reorder_free_queue: bool = False) -> bool:
@@ -465,17 +374,9 @@ class BlockPool(VllmBlockPool):
         watched = [self.blocks[block_id] for block_id in list(self._reuse_watchers)] if self._reuse_watchers else None
         event = AllBlocksCleared() if self.enable_kv_cache_events else None
         reorder = reorder_free_queue or envs.get(REORDER_ON_RESET_ENV)
-        # One reorder, strong (it reads no hash, and needs only the precondition above).
-        if self.allocation == "contiguous":
-            # Nothing will be cached any more: every free block uncached, sorted, which
-            # is also what reset_free_block_queue_order() asks for; it would also drop
-            # the reserved ranges, as the next idle moment does.
-            self.free_block_queue.rebuild_canonical()
-            if reorder:
-                self.free_block_queue.release_all_extents()
-                self._table_owners.clear()
-        elif reorder:
-            self.reset_free_block_queue_order()
+        # The policy's one reorder, strong (it reads no hash, and needs only the
+        # precondition above).
+        self._policy.order_for_reset(self, bool(reorder))
         self.cached_block_hash_to_block = new_map
         self.cached_block_hashes_by_block.clear()
         if watched:
@@ -522,41 +423,37 @@ class BlockPool(VllmBlockPool):
                 num_used_blocks - 1,
             )
             return False
-        if self.allocation == "contiguous" and self.free_block_queue.allocation_order == "contiguous":
-            self.free_block_queue.rebuild_uncached_canonical()
-            self.free_block_queue.release_all_extents()
-            self._table_owners.clear()
-        else:
-            # (Also a contiguous pool whose free_block_queue was replaced by a new
-            # queue, which keeps vLLM's order and no segments.)
-            self.free_block_queue.rebuild_canonical()
+        self._policy.restore_order(self)
         return True
 
     def fragmentation_stats(self, reset: bool = True) -> dict[str, float]:
-        """Fragmentation of the free blocks and contiguity of the block tables
-        allocated since the last reset (kvpool addition, any allocation policy).
+        """Fragmentation of the free blocks and contiguity of the block tables freed
+        since the last reset (kvpool addition, any allocation policy).
+
+        The table figures come from counters the native free loop keeps
+        (``FreeKVCacheBlockQueue.table_counters``): vLLM frees a request's block table
+        tail first (``SingleTypeKVCacheManager.free``, vLLM 0.30.0-0.33.0), so every
+        table is counted whole once, when its request finishes or is preempted, with
+        no per-allocation work in any policy.
 
         Args:
             reset: start a new measurement window for the ``table_*`` values.
 
         Returns:
             ``free_blocks`` (blocks), ``free_runs`` (maximal runs of consecutive free
-            block ids), ``largest_free_run`` (blocks); over the blocks appended to
-            request block tables in the window: ``table_pairs`` (adjacent pairs,
-            including a table's old last block and its first new one),
-            ``table_contiguity`` (fraction of pairs with next id = previous + 1; 1.0
-            without pairs), ``descending_fraction`` (previous - 1), and
-            ``mean_run_length`` (blocks per ascending run started in the window).
+            block ids), ``largest_free_run`` (blocks); over the block tables freed in
+            the window (null blocks and other pools' blocks left out):
+            ``table_pairs`` (adjacent pairs), ``table_contiguity`` (fraction of pairs
+            with next id = previous + 1; 1.0 without pairs), ``descending_fraction``
+            (previous - 1), and ``mean_run_length`` (blocks per ascending run).
             O(num_gpu_blocks).
         Raises:
             NotAKvpoolPoolError: a pool kvpool did not build (see the module docstring).
         """
         self._require_native("fragmentation_stats()")
         runs, longest = self.free_block_queue.free_runs()
-        blocks, pairs, ascending, descending = self._table_counters
+        blocks, pairs, ascending, descending = self.free_block_queue.table_counters(reset)
         started = blocks - ascending
-        if reset:
-            self._table_counters = [0, 0, 0, 0]
         return {
             "free_blocks": self.get_num_free_blocks(),
             "free_runs": runs,

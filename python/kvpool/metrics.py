@@ -30,11 +30,11 @@ Metrics (per engine):
 ``vllm:kvpool_free_blocks``            free blocks (gauge)
 ``vllm:kvpool_free_runs``              maximal runs of consecutive free block ids (gauge)
 ``vllm:kvpool_largest_free_run_blocks``  longest such run, blocks (gauge)
-``vllm:kvpool_table_contiguity``       fraction of adjacent block-table pairs appended
-                                       in the last interval with next id = previous + 1
+``vllm:kvpool_table_contiguity``       fraction of adjacent pairs of the block tables
+                                       freed in the last interval with next id = previous + 1
 ``vllm:kvpool_descending_fraction``    same, next id = previous - 1
 ``vllm:kvpool_mean_run_length_blocks`` mean ascending run length of those tables
-``vllm:kvpool_table_pairs_total``      adjacent pairs appended (counter)
+``vllm:kvpool_table_pairs_total``      adjacent pairs of the freed tables (counter)
 ``vllm:kvpool_table_ascending_pairs_total``  of which next id = previous + 1 (counter)
 =====================================  =================================================
 
@@ -69,21 +69,20 @@ GAUGES: tuple[tuple[str, str, str, bool], ...] = (
     ("vllm:kvpool_largest_free_run_blocks", "largest_free_run",
      "Longest run of consecutive free KV cache block ids, in blocks.", False),
     ("vllm:kvpool_table_contiguity", "table_contiguity",
-     "Fraction of adjacent block-table pairs appended since the previous report whose "
-     "next block id is the previous + 1.", True),
+     "Fraction of the adjacent pairs of the block tables freed since the previous report "
+     "whose next block id is the previous + 1.", True),
     ("vllm:kvpool_descending_fraction", "descending_fraction",
-     "Fraction of adjacent block-table pairs appended since the previous report whose "
-     "next block id is the previous - 1.", True),
+     "Fraction of the adjacent pairs of the block tables freed since the previous report "
+     "whose next block id is the previous - 1.", True),
     ("vllm:kvpool_mean_run_length_blocks", "mean_run_length",
-     "Mean length, in blocks, of the ascending runs of consecutive block ids appended to "
-     "request block tables since the previous report.", True),
+     "Mean length, in blocks, of the ascending runs of consecutive block ids of the "
+     "request block tables freed since the previous report.", True),
 )
 #: (metric name without ``_total``, help text); incremented by the pairs of each report.
 COUNTERS: tuple[tuple[str, str], ...] = (
-    ("vllm:kvpool_table_pairs", "Adjacent block-table pairs appended to request block tables."),
+    ("vllm:kvpool_table_pairs", "Adjacent pairs of the request block tables freed."),
     ("vllm:kvpool_table_ascending_pairs",
-     "Adjacent block-table pairs appended to request block tables whose next block id is "
-     "the previous + 1."),
+     "Adjacent pairs of the request block tables freed whose next block id is the previous + 1."),
 )
 
 

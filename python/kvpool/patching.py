@@ -64,7 +64,7 @@ _state: _InstallState | None = None
 #: Modules with an ``apply(patcher: Patcher) -> None`` run by ``install()`` after the
 #: classes are bound, in this order.
 PATCH_MODULES: tuple[str, ...] = (
-    "kvpool.allocation",
+    "kvpool.allocation.manager_hooks",
     "kvpool.deferred_free",
     "kvpool.metrics",
     "kvpool.engine_api",

@@ -49,6 +49,9 @@ cdef class FreeKVCacheBlockQueue:
     cdef vector[int32_t] _scratch
     cdef vector[PyObject*] _ptr_scratch
     cdef vector[Py_ssize_t] _idx_scratch  # the ref_cnt undo journal's loop indices
+    # Table statistics of the block lists freed into this queue (blocks, pairs,
+    # table-ascending pairs, table-descending pairs), kept by the free loop.
+    cdef int64_t _table_stats[4]
     cdef readonly KVCacheBlock fake_free_list_head
     cdef readonly KVCacheBlock fake_free_list_tail
     cdef object __weakref__

@@ -101,7 +101,6 @@ include "free_queue.pxi"          # FreeKVCacheBlockQueue, make_pool_blocks
 include "block_table.pxi"         # BlockTable (block objects created on first use)
 include "block_lists.pxi"         # list / reversed(list) read in place
 include "alloc.pxi"               # pool_get_new_blocks (vLLM's order and the contiguous policy)
-include "allocation.pxi"          # table statistics of the allocation policies
 include "free.pxi"                # pool_free_blocks and the shared free loop
 include "touch.pxi"               # pool_touch
 include "unpin_evict.pxi"         # pool_unpin_blocks, pool_blocks_to_evict

@@ -6,15 +6,13 @@
 def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
                         bint enable_caching, dict cached_block_hashes_by_block,
                         object evict_cached_block, int32_t hint=-1, int32_t owner=0,
-                        int32_t want=0, object table_counters=None, long prev_last=-1):
+                        int32_t want=0):
     """``BlockPool.get_new_blocks`` without per-block Python calls.
 
     Pops ``num_blocks`` from the front of the free queue (with the contiguous
     allocation policy: the blocks ``FreeBlockList::take`` chooses for the table of
     ``owner`` that continues at block ``hint``, expecting ``want`` more blocks;
-    docs/design.md, "Allocation policies"). With ``table_counters`` (a pool's queue),
-    the returned blocks' adjacent pairs are added to it as ``count_table_pairs`` does,
-    ``prev_last`` (-1: none) being the table's last block id before. For a block that still has
+    docs/design.md, "Allocation policies"). For a block that still has
     a prefix-cache hash (or extra hashes in ``cached_block_hashes_by_block``) calls
     ``evict_cached_block(block)``; checks ``ref_cnt == 0`` (after the callback, as
     vLLM's ``assert`` does) and sets it to 1. One pass over the blocks.
@@ -53,9 +51,6 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     if n > queue._list.size():
         raise ValueError(f"Cannot get {n} free blocks from the pool "
                          f"(only {queue._list.size()} are really free)")
-    if table_counters is not None and (type(table_counters) is not list
-                                       or PyList_GET_SIZE(table_counters) != 4):
-        raise TypeError("table_counters must be a list of 4 ints")
     # Every allocation of the call before its first change (strong on MemoryError).
     popped.resize(n)
     taken.resize(n)
@@ -188,11 +183,4 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
         kvpool_list_items(<PyObject*>ret)[j] = taken[j]  # the list takes the reference
     _fold_0_to_1(&rb, n01)
     _flush(&rb)
-    if table_counters is not None:
-        # Statistics only: an update that fails (no memory for a large count, a list
-        # changed by Python code during the call) is dropped, never the allocation.
-        try:
-            _count_slot_pairs(popped.data(), n, prev_last, table_counters)
-        except Exception:
-            pass
     return ret

@@ -225,6 +225,28 @@ cdef int _free_one(PyObject* o, PyObject* pool, FreeKVCacheBlockQueue queue,
     return A_LAST
 
 
+cdef inline void _tally(FreeKVCacheBlockQueue queue, PyObject* o, int32_t slot,
+                        int64_t* prev, int64_t* t) noexcept:
+    # One block of this pool freed from a list in eviction order (a request's block
+    # table arrives tail first): count it and its pair with the block before it.
+    # `slot` is its block_id in a pool's queue; other queues read block_id (a
+    # block_id that is not an int is not counted). Runs no Python code.
+    cdef long cur = slot
+    cdef PyObject* p
+    if not queue._lazy:
+        p = (<KVCacheBlock>o)._block_id_o
+        if p is NULL or not kvpool_is_int(p) or not kvpool_long_read(p, &cur):
+            return
+    t[0] += 1
+    if prev[0] >= 0:
+        t[1] += 1
+        if cur == prev[0] - 1:
+            t[2] += 1  # ascending in the table
+        elif cur == prev[0] + 1:
+            t[3] += 1
+    prev[0] = cur
+
+
 cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
                     Py_ssize_t n, Py_ssize_t step, bint enable_caching,
                     FencedDeferredFreeQueue deferred, const int64_t* handles,
@@ -267,6 +289,9 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
     cdef kvpool_refbatch rb
     cdef kvpool_refjournal jn
     cdef object culprit
+    cdef int64_t tally[4]
+    cdef int64_t tally_prev = -1
+    tally[0] = tally[1] = tally[2] = tally[3] = 0
     # Scratch space of the queue (no allocation per call once it has grown). Only the
     # loop and its links use it, before any Python code (which could call into this
     # queue again) can run.
@@ -318,6 +343,7 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
         if fast_slot >= 0:
             (<KVCacheBlock>o)._ref_cnt_o = zero  # counted in n10
             n10 += 1
+            _tally(queue, o, fast_slot, &tally_prev, tally)
             if not enable_caching or <PyObject*>(<KVCacheBlock>o)._block_hash == none:
                 first[nfirst] = fast_slot
                 nfirst += 1
@@ -336,9 +362,13 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
         elif action == A_FIRST:
             first[nfirst] = (<KVCacheBlock>o)._slot
             nfirst += 1
+            _tally(queue, o, (<KVCacheBlock>o)._slot, &tally_prev, tally)
         elif action == A_LAST:
             last[nlast] = (<KVCacheBlock>o)._slot
             nlast += 1
+            _tally(queue, o, (<KVCacheBlock>o)._slot, &tally_prev, tally)
+        elif action == A_HELD and <PyObject*>(<KVCacheBlock>o)._queue == queue_o:
+            _tally(queue, o, (<KVCacheBlock>o)._slot, &tally_prev, tally)
         k += 1
     _fold_0_to_1(&rb, -n10)
     if err == E_NONE and nforeign:
@@ -399,6 +429,8 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
         queue._list.append_n_unchecked(last, <int32_t>nlast)
     for j in range(nforeign):
         Py_INCREF_ptr(deref(foreign_out)[j])
+    for j in range(4):
+        queue._table_stats[j] += tally[j]
     _journal_release(&jn)  # (exact ints run no Python code; others are parked)
     kvpool_refbatch_flush(&rb)  # (the ints' counts only: no Python code)
     return 0

@@ -597,6 +597,30 @@ cdef class FreeKVCacheBlockQueue:
         self._list.free_runs(&runs, &longest)
         return runs, longest
 
+    def table_counters(self, bint reset=False):
+        """``(blocks, pairs, ascending, descending)``: the block tables freed into this
+        queue since the last reset, counted by the free loop (kvpool addition).
+
+        Every ``free_blocks`` call (and every freed deferred entry) is one list in
+        eviction order; vLLM frees a request's table tail first
+        (``SingleTypeKVCacheManager.free``, vLLM 0.30.0-0.33.0), so a pair of
+        consecutive listed blocks of this queue is one pair of the table, *ascending*
+        when the table's next block id is the previous + 1 (the later-listed block's
+        id is the earlier one's - 1), *descending* when it is the previous - 1. Null
+        blocks and other pools' blocks are not counted; blocks still held after the
+        decrement (shared prefix-cache hits) are. A call that raises counts nothing.
+
+        Args:
+            reset: start a new window (the counters go back to 0).
+        Returns:
+            ``tuple[int, int, int, int]`` (blocks, pairs, ascending pairs, descending
+            pairs).
+        """
+        out = (self._table_stats[0], self._table_stats[1], self._table_stats[2], self._table_stats[3])
+        if reset:
+            self._table_stats[0] = self._table_stats[1] = self._table_stats[2] = self._table_stats[3] = 0
+        return out
+
     def free_block_ids(self):
         """Block ids of the free blocks in eviction order (a new list of int)."""
         cdef vector[int32_t] order = self._list.to_vector()

@@ -1,0 +1,139 @@
+"""The contiguous allocation policy (``allocation="contiguous"``): sorted uncached
+blocks with per-request extents, vLLM's exact LRU.
+
+The *uncached* free blocks (freed without a hash, or never used: the front segments of
+vLLM's free queue) are kept sorted and served by position; the *LRU* segment (freed
+with a hash, or released by ``unpin_blocks``) keeps vLLM's exact order and is reached
+only when no uncached block is left, as in vLLM. Which cached blocks are hit or
+evicted, in which order, the KV events and the preemptions are therefore vLLM's; only
+the ids of uncached allocations differ (docs/design.md, "Allocation policies"). Blocks
+that stop being cached join the sorted segment where vLLM would serve them at the same
+moment anyway: every free block after a successful ``reset_prefix_cache()``, and the
+LRU segment's leading blocks without a hash or a reuse watcher.
+
+Per-request extents: every allocation made for a request's block table (the
+single-type managers' ``allocate_new_blocks`` / ``allocate_external_computed_blocks``,
+one table per request and KV cache group, told to the pool by
+:mod:`kvpool.allocation.manager_hooks`) continues the table at its last block id + 1
+when that block is free, and places a table's first new run where its *expected
+growth* fits without entering another live table's reserved extent:
+``cdiv(num_prompt_tokens + max_tokens, block_size)`` minus the blocks the table
+already has (when the request's length is not known: as many blocks as the table
+will have after this allocation, so a table doubles its room like a growing array),
+capped at 1/16 of the pool (:data:`EXTENT_CAP_FRACTION`) and at least the blocks
+asked for. These are preferences only: an allocation is never refused, delayed or
+made to preempt because of them (it falls back to the lowest free uncached blocks,
+then to other tables' reserved ones, then to the LRU segment). A table's reservation
+is released when the request's blocks are freed, every reservation when the pool is
+idle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool.allocation.base import AllocationPolicy
+
+#: A new table's reserved extent is at most this fraction of the pool.
+EXTENT_CAP_FRACTION = 1 / 16
+
+
+class ContiguousPolicy(AllocationPolicy):
+    """Sorted uncached segment, per-table extents, vLLM's LRU (see the module).
+
+    Attributes:
+        expected_tokens: ``{request_id: prompt + max_tokens}`` (tokens) of the requests
+            whose tables are live, from ``KVCacheManager.allocate_slots``.
+        table_owners: ``{(id(manager), request_id): owner}``, the extent owner ids
+            of the live tables (1 .. 0x7FFFFFF0).
+        extent_cap: the largest extent a table is given (blocks).
+    """
+
+    name = "contiguous"
+    manager_hooks = True
+
+    def __init__(self, num_gpu_blocks: int):
+        super().__init__(num_gpu_blocks)
+        self.expected_tokens: dict[str, int] = {}
+        self.table_owners: dict[tuple[int, str], int] = {}
+        self._next_owner = 1
+        self.extent_cap = max(1, int(num_gpu_blocks * EXTENT_CAP_FRACTION))
+
+    def attach(self, pool: Any) -> None:
+        pool.free_block_queue.set_allocation_order("contiguous")
+
+    def extend_table(self, pool: Any, num_blocks: int, manager: Any, request_id: str) -> list:
+        table = manager.req_to_blocks.get(request_id)
+        last = None
+        if table:
+            for block in reversed(table):
+                if not block.is_null:
+                    last = block.block_id
+                    break
+        key = (id(manager), request_id)
+        owner = self.table_owners.get(key)
+        if owner is None:
+            owner = self.table_owners[key] = self._next_owner
+            self._next_owner = self._next_owner % 0x7FFFFFF0 + 1
+        held = len(table) if table else 0
+        expected = self.expected_tokens.get(request_id)
+        if expected is not None:  # prompt + max_tokens, from allocate_slots
+            growth = -(-expected // manager.block_size) - held
+        else:  # unknown: room to double, as a growing array would
+            growth = held + num_blocks
+        want = max(num_blocks, min(growth, self.extent_cap))
+        blocks = pool._take(num_blocks, -1 if last is None else last + 1, owner, want)
+        self.after_change(pool)
+        return blocks
+
+    def after_change(self, pool: Any) -> None:
+        # The LRU segment's leading blocks without a hash (or a reuse watcher) are
+        # served by vLLM right after the uncached ones; let them join the sorted
+        # uncached segment (nothing cached is hit or evicted differently). Runs after
+        # an operation has done its work, so it never raises: each block it moves is
+        # moved whole, and one it could not move (no memory) stays where vLLM serves it
+        # anyway, right behind the uncached segment.
+        try:
+            pool.free_block_queue.absorb_unhashed_lru_front(
+                pool.cached_block_hashes_by_block, pool._reuse_watchers)
+        except MemoryError:
+            pass
+
+    def after_free(self, pool: Any) -> None:
+        # On idle (only the null block held) no table is live, so no extent is either.
+        if pool._idle():
+            self._release_all(pool)
+
+    def end_table(self, pool: Any, manager: Any, request_id: str) -> None:
+        owner = self.table_owners.pop((id(manager), request_id), None)
+        if owner is not None:
+            pool.free_block_queue.release_extent(owner)
+        self.expected_tokens.pop(request_id, None)
+
+    def expect_tokens(self, request_id: str, num_tokens: int) -> None:
+        self.expected_tokens[request_id] = num_tokens
+
+    def order_for_reset(self, pool: Any, reorder: bool) -> None:
+        # Nothing will be cached any more: every free block uncached, sorted, which is
+        # also what reset_free_block_queue_order() asks for; it would also drop the
+        # reserved ranges, as the next idle moment does.
+        pool.free_block_queue.rebuild_canonical()
+        if reorder:
+            self._release_all(pool)
+
+    def restore_order(self, pool: Any) -> None:
+        queue = pool.free_block_queue
+        if queue.allocation_order == "contiguous":
+            queue.rebuild_uncached_canonical()
+            self._release_all(pool)
+        else:
+            # A pool whose free_block_queue was replaced by a new queue, which keeps
+            # vLLM's order and no segments.
+            queue.rebuild_canonical()
+
+    def _release_all(self, pool: Any) -> None:
+        pool.free_block_queue.release_all_extents()
+        self.table_owners.clear()
+
+
+__all__ = ["EXTENT_CAP_FRACTION", "ContiguousPolicy"]
