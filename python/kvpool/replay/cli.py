@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from kvpool import cliargs
+from kvpool.replay import report
+from kvpool.replay.compare import compare
 from kvpool.replay.engine import PoolSpec
 from kvpool.replay.modes import MODES
+from kvpool.replay.results import RunConfig
 from kvpool.replay.traces import from_trace, truncate_rounds
 from kvpool.replay.workloads import WORKLOADS, Workload
 
@@ -216,24 +219,14 @@ def build_report(args: argparse.Namespace, argv: list[str], wl: Workload, pool: 
                  modes: dict[str, Any], wall: float) -> dict[str, Any]:
     """The ``--json`` report (docs/replay.md, "JSON layout"): ``modes`` is the runner's
     mode name -> :class:`~.results.ModeResult`."""
-    from kvpool.replay import report
-    from kvpool.replay.compare import compare
-
     modes_json = {m: r.to_json() for m, r in modes.items()}
     out = {
         "workload": wl.to_json(),
-        "config": {
-            "num_blocks": pool.num_blocks,
-            "block_size": pool.block_size,
-            "seed": args.seed,
-            "scale": args.scale,
-            "model": wl.engine.model,
-            "max_model_len": wl.max_model_len(),
-            "modes_requested": list(args.modes),
-            "argv": ["python", "-m", "kvpool", "replay", *argv],
-            "wall_s": wall,
-            **_versions(),
-        },
+        "config": RunConfig(
+            num_blocks=pool.num_blocks, block_size=pool.block_size, seed=args.seed, scale=args.scale,
+            model=wl.engine.model, max_model_len=wl.max_model_len(), modes_requested=list(args.modes),
+            argv=["python", "-m", "kvpool", "replay", *argv], wall_s=wall, versions=_versions(),
+        ).to_json(),
         "modes": modes_json,
         "comparison": compare(modes_json),
     }
@@ -243,8 +236,6 @@ def build_report(args: argparse.Namespace, argv: list[str], wl: Workload, pool: 
 
 def _write_outputs(out: dict[str, Any], args: argparse.Namespace, json_path: Path, plot_path: Path | None,
                    console, err) -> None:
-    from kvpool.replay import report
-
     # The results first: nothing that can fail after this loses them.
     report.write_json(json_path, out)
     if not args.quiet:

@@ -190,3 +190,28 @@ class ModeComparison:
         if self.sched_cpu_ratio_vs_kvpool is not None:
             out["sched_cpu_ratio_vs_kvpool"] = self.sched_cpu_ratio_vs_kvpool
         return out
+
+
+@dataclass
+class RunConfig:
+    """``config``: what the run was asked for, and where it ran. (``workload`` is
+    :meth:`~.workloads.Workload.to_json`, ``comparison`` per mode a
+    :class:`ModeComparison`, ``verdict`` the summary lines of :func:`~.report.verdict`.)"""
+
+    num_blocks: int
+    block_size: int
+    seed: int
+    scale: float
+    model: str
+    max_model_len: int
+    modes_requested: list[str]
+    #: ``["python", "-m", "kvpool", "replay", ...]``
+    argv: list[str]
+    wall_s: float
+    #: ``{"python", "machine", "vllm_version", "kvpool_version"}``, merged into the object.
+    versions: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "versions"}
+        out.update(self.versions)
+        return out
