@@ -115,21 +115,18 @@ def _saved_tables(prompt_tables: dict[str, list[int]], finished_tables: dict[str
     return {"prompt": by_request_index(prompt_tables), "finished": by_request_index(finished_tables)}
 
 
-def _round_steps(stepper: Stepper, factory: RequestFactory, depth: int, rnd: int,
+def _round_steps(stepper: Stepper, specs: list, requests: list, depth: int, rnd: int,
                  pool: PoolSpec) -> tuple[float, float, int]:
-    """Step round ``rnd`` until no request (and no batch in flight) is left; its
-    ``(scheduler CPU s, prefill-admitting schedule() CPU s, steps)``."""
+    """Step round ``rnd`` (``requests[i]`` added at ``specs[i].arrival_step``) until no
+    request (and no batch in flight) is left; its ``(scheduler CPU s, prefill-admitting
+    schedule() CPU s, steps)``."""
     scheduler = stepper.scheduler
-    pending = deque(sorted(range(len(factory)), key=lambda i: factory.specs[i].arrival_step))
-    requests = {}
-    for i in range(len(factory)):
-        requests[i] = factory.make(i)
-        stepper.expect_prompt(requests[i], factory.specs[i].prompt_len)
+    pending = deque(sorted(range(len(specs)), key=lambda i: specs[i].arrival_step))
     sched_cpu = prefill_cpu = 0.0
     num_steps = step_clock = idle_steps = 0  # idle: steps in a row with nothing scheduled or in flight
     batch_queue: deque = deque()
     while True:
-        while pending and factory.specs[pending[0]].arrival_step <= step_clock:
+        while pending and specs[pending[0]].arrival_step <= step_clock:
             scheduler.add_request(requests[pending.popleft()])
         if scheduler.has_requests():
             so, dt = stepper.schedule()
@@ -149,7 +146,7 @@ def _round_steps(stepper: Stepper, factory: RequestFactory, depth: int, rnd: int
                 continue
         if not batch_queue:
             if pending:
-                step_clock = factory.specs[pending[0]].arrival_step  # idle until the next arrival
+                step_clock = specs[pending[0]].arrival_step  # idle until the next arrival
                 continue
             return sched_cpu, prefill_cpu, num_steps
         sched_cpu += stepper.update(batch_queue.pop())
@@ -170,12 +167,15 @@ def run_round(scheduler, probe: RoundProbe, workload: Workload, rnd: int, seed: 
     """
     check_fits(workload.round_requests(rnd), pool, f"round {rnd}")
     factory = RequestFactory.for_round(workload, rnd, seed, pool.block_size)
+    requests = [factory.make(i) for i in range(len(factory))]
     stepper = Stepper(scheduler, probe, stand_in_model(scheduler, *factory.targets()), pool.block_size)
+    for spec, request in zip(factory.specs, requests):
+        stepper.expect_prompt(request, spec.prompt_len)
     probe.reset()
     gc.collect()
     wall0 = time.perf_counter()
     sched_cpu, prefill_cpu, num_steps = _round_steps(
-        stepper, factory, 2 if workload.engine.async_scheduling else 1, rnd, pool)
+        stepper, factory.specs, requests, 2 if workload.engine.async_scheduling else 1, rnd, pool)
     wall = time.perf_counter() - wall0
     if scheduler.has_requests() or getattr(scheduler, "deferred_frees", None):
         raise RuntimeError(f"round {rnd}: requests or deferred frees left after the last step")
