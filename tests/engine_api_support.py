@@ -89,47 +89,22 @@ def make_scheduler(vllm_config=None, kv_cache_groups=None, num_blocks: int | Non
         kv_cache_groups: ``list[KVCacheGroupSpec]``; default one full-attention group.
         num_blocks: pool size; default the config's ``num_gpu_blocks_override``.
     """
-    import torch
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
+    from kvpool.replay import engine
 
     vllm_config = vllm_config or make_vllm_config()
     num_blocks = num_blocks or vllm_config.cache_config.num_gpu_blocks_override
     if kv_cache_groups is None:
-        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
-        kv_cache_groups = [KVCacheGroupSpec(["layer"], spec)]
-    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=kv_cache_groups)
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    register_all_kvcache_specs(vllm_config)
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK_SIZE,
-        log_stats=True,
-    )
+        kv_cache_groups = [engine.full_attention_group(BLOCK_SIZE, "layer")]
+    return engine.scheduler_from_config(vllm_config, kv_cache_groups, num_blocks, BLOCK_SIZE, log_stats=True)
 
 
 def make_request(request_id: str, prompt_token_ids: list[int], max_tokens: int):
     """A scheduler ``Request`` with prefix-cache block hashes (sha256, as vLLM's
     tests) that runs exactly ``max_tokens`` decode steps."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
+    from kvpool.replay import engine
 
-    init_none_hash(sha256)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    params.update_from_generation_config({}, 2)
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=prompt_token_ids,
-        sampling_params=params,
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
-    )
+    return engine.make_request(request_id, prompt_token_ids, max_tokens=max_tokens, eos_token_id=2,
+                               hasher=engine.block_hasher(BLOCK_SIZE))
 
 
 def make_engine_core_request(prompt_token_ids: list[int], max_tokens: int, request_id: str | None = None):
@@ -157,14 +132,10 @@ def make_engine_core_request(prompt_token_ids: list[int], max_tokens: int, reque
 def scripted_output(scheduler_output):
     """``ModelRunnerOutput`` sampling :data:`SAMPLED_TOKEN_ID` for every request the
     step scheduled (prompts are never chunked under :func:`make_vllm_config`)."""
-    from vllm.v1.outputs import ModelRunnerOutput
+    from kvpool.replay import engine
 
     req_ids = list(scheduler_output.num_scheduled_tokens)
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-        sampled_token_ids=[[SAMPLED_TOKEN_ID] for _ in req_ids],
-    )
+    return engine.model_runner_output(req_ids, [[SAMPLED_TOKEN_ID] for _ in req_ids])
 
 
 class ScriptedWorker:

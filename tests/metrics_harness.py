@@ -111,7 +111,7 @@ def main() -> int:
                         prompt_len=(300, 500), output_len=(20, 40))
     with offline_hf_cache([wl.engine.model]):
         from kvpool import patching
-        from kvpool.replay import driver
+        from kvpool.replay import engine, loop, probe
 
         state = None
         if kind == "kvpool":
@@ -128,13 +128,12 @@ def main() -> int:
             state = patching._InstallState(vllm_version="harness", vanilla={})
             metrics.apply(patching.Patcher(state))
 
-        pool_spec = driver.PoolSpec(num_blocks=256, block_size=16)
-        scheduler = driver.build_scheduler(wl, pool_spec, log_stats=True)
+        pool_spec = engine.PoolSpec(num_blocks=256, block_size=16)
+        scheduler = engine.build_scheduler(wl, pool_spec, log_stats=True)
         pool = scheduler.kv_cache_manager.block_pool
         if kind == "fake":
             pool.fragmentation_stats = fake_fragmentation_stats(pool)
-        probe = driver._RoundProbe(scheduler)
-        driver.run_round(scheduler, probe, wl, 0, 0, pool_spec)
+        loop.run_round(scheduler, probe.RoundProbe(scheduler), wl, 0, 0, pool_spec)
 
         from prometheus_client import REGISTRY, generate_latest
         from vllm.v1.engine import EngineCoreOutputs

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import kvpool
-from kvpool.replay import metrics, workloads
-from kvpool.replay.driver import MODES, kvpool_unavailable_reason, mode_unavailable_reason
+from kvpool.replay import metrics, traces, workloads
+from kvpool.replay.modes import MODES, kvpool_unavailable_reason, mode_unavailable_reason
 
 REPO = Path(__file__).resolve().parents[1]
 ROUND_KEYS = {
@@ -100,27 +100,28 @@ def test_trace_parses_groups_and_names_the_bad_line(tmp_path):
         "\n"
         '{"round": 1, "prompt_len": 50, "output_len": 3, "prefix_group": null, "arrival_step": 2}\n'
     )
-    wl = workloads.from_trace(good)
+    wl = traces.from_trace(good)
     assert wl.num_rounds == 2
     assert wl.requests[0] == workloads.RequestSpec(0, 100, 5, "7", 0)
     assert wl.requests[1] == workloads.RequestSpec(1, 50, 3, None, 2)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"round": 0, "prompt_len": 100, "output_len": 5}\n{"round": 0, "prompt_len": 10}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
-        workloads.from_trace(bad)
+        traces.from_trace(bad)
 
 
 def test_kvpool_modes_are_reported_skipped_when_kvpool_is_not_importable(monkeypatch):
-    from kvpool.replay import driver
+    from kvpool.replay import engine, modes, runner
 
     def unavailable():
-        raise driver.ModeUnavailable("kvpool is not importable (test)")
+        raise modes.ModeUnavailable("kvpool is not importable (test)")
 
-    monkeypatch.setattr(driver, "_kvpool_api", unavailable)
+    monkeypatch.setattr(modes, "_kvpool_api", unavailable)
     skipped = []
-    res = driver.run_replay(workloads.grpo(rounds=1), driver.PoolSpec(), ("kvpool", "kvpool+reorder"),
+    res = runner.run_replay(workloads.grpo(rounds=1), engine.PoolSpec(), ("kvpool", "kvpool+reorder"),
                             on_skip=lambda m, why: skipped.append(m))
-    assert res["modes"] == {m: {"skipped": "kvpool is not importable (test)"} for m in ("kvpool", "kvpool+reorder")}
+    assert {m: r.to_json() for m, r in res.items()} == {
+        m: {"skipped": "kvpool is not importable (test)"} for m in ("kvpool", "kvpool+reorder")}
     assert skipped == ["kvpool", "kvpool+reorder"]
 
 
@@ -299,17 +300,17 @@ def test_kvpool_contiguous_keeps_vanillas_cache_behaviour_and_reports_its_policy
     assert "sched_cpu_ratio_vs_kvpool" in grpo_report["comparison"]["kvpool+contiguous"]
 
 
-def test_contiguous_mode_is_reported_unavailable_without_the_allocation_policy(monkeypatch):
-    from kvpool.replay import driver
+def test_kvpool_modes_are_reported_unavailable_when_the_extension_is_not_built(monkeypatch):
+    # ``import kvpool`` works without the built extension; the replay must say so
+    # before a mode starts, not fail later inside ``install()``.
+    from kvpool.replay import modes
 
-    def old_install(*, force=False):  # a kvpool from before the allocation policy
-        return True
-
-    monkeypatch.setattr(driver, "_kvpool_api", lambda: (old_install, lambda: True, lambda: False))
-    assert driver._install_kwargs(old_install, "vllm") == {}
-    why = driver.mode_unavailable_reason("kvpool+contiguous")
-    assert why is not None and "allocation" in why
-    assert driver.mode_unavailable_reason("kvpool") is None
+    monkeypatch.setitem(sys.modules, "kvpool._core", None)
+    why = modes.mode_unavailable_reason("kvpool+contiguous")
+    assert why is not None and "bootstrap.sh" in why
+    assert modes.mode_unavailable_reason("vanilla") is None
+    with pytest.raises(modes.ModeUnavailable):
+        modes.set_mode("kvpool")
 
 
 # --- serving: continuous load, rounds are windows ----------------------------------------
@@ -362,7 +363,7 @@ def test_continuous_trace_carries_arrival_steps_and_windows(tmp_path):
         '{"prompt_len": 200, "output_len": 10, "arrival_step": 250}\n'
         '{"prompt_len": 100, "output_len": 5, "arrival_step": 99}\n'
     )
-    wl = workloads.from_trace(t, window_steps=100)
+    wl = traces.from_trace(t, window_steps=100)
     assert wl.continuous and wl.window_steps == 100 and wl.num_rounds == 3
     assert [r.round for r in wl.requests] == [0, 2, 0]
     assert [r.arrival_step for r in wl.stream_requests()] == [0, 99, 250]
@@ -372,11 +373,11 @@ def test_continuous_trace_carries_arrival_steps_and_windows(tmp_path):
     mixed.write_text('{"round": 0, "prompt_len": 10, "output_len": 2}\n'
                      '{"prompt_len": 10, "output_len": 2, "arrival_step": 3}\n')
     with pytest.raises(ValueError, match=r"mixed\.jsonl:2"):
-        workloads.from_trace(mixed)
+        traces.from_trace(mixed)
     no_arrival = tmp_path / "na.jsonl"
     no_arrival.write_text('{"prompt_len": 10, "output_len": 2}\n')
     with pytest.raises(ValueError, match="arrival_step"):
-        workloads.from_trace(no_arrival)
+        traces.from_trace(no_arrival)
 
 
 SERVING_SMALL = ("--workload", "serving", "--rounds", "2", "--window-steps", "150", "--block-size", "16",

@@ -1,29 +1,29 @@
 """Build real vLLM 0.33.0 schedulers and KV cache managers without a model.
 
-Mirrors ``create_scheduler`` / ``create_requests`` of vLLM 0.33.0's
-``tests/v1/core/utils.py`` (which ships only in the sdist), reduced to what kvpool's
-tests need, plus a hybrid (full attention + sliding window) KV cache config.
+The scheduler, requests and model outputs come from the replay's model-less engine
+(:mod:`kvpool.replay.engine`, after ``create_scheduler`` / ``create_requests`` of vLLM
+0.33.0's ``tests/v1/core/utils.py``); this module adds what kvpool's tests need on top:
+opt-125m's config, a hybrid (full attention + sliding window + chunked local) KV cache
+config.
 """
 
 from __future__ import annotations
 
 import torch
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
-    KVCacheConfig,
     KVCacheGroupSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
+
+from kvpool.replay import engine
 
 MODEL = "facebook/opt-125m"
 EOS_TOKEN_ID = 50256
@@ -67,28 +67,20 @@ def make_scheduler(
                                enable_prefix_caching=enable_prefix_caching)
     vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
                              cache_config=cache_config)
-    cache_config.num_gpu_blocks = num_blocks
-    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                    kv_cache_groups=kv_cache_groups(
-                                        block_size, num_groups or (2 if hybrid else 1), window_blocks))
-    register_all_kvcache_specs(vllm_config)
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                     structured_output_manager=StructuredOutputManager(vllm_config),
-                     block_size=block_size, log_stats=False)
+    groups = kv_cache_groups(block_size, num_groups or (2 if hybrid else 1), window_blocks)
+    return engine.scheduler_from_config(vllm_config, groups, num_blocks, block_size)
 
 
 def make_request(request_id: str, prompt: list[int], max_tokens: int = 4, block_size: int = 16) -> Request:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    params.update_from_generation_config({}, EOS_TOKEN_ID)
-    return Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
-                   pooling_params=None, block_hasher=get_request_block_hasher(block_size, sha256))
+    """A request that ignores opt-125m's EOS and runs exactly ``max_tokens`` decode steps."""
+    return engine.make_request(request_id, prompt, max_tokens=max_tokens, eos_token_id=EOS_TOKEN_ID,
+                               hasher=engine.block_hasher(block_size))
 
 
 def runner_output(scheduler_output, token_id: int = 7) -> ModelRunnerOutput:
     req_ids = list(scheduler_output.num_scheduled_tokens)
-    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                             sampled_token_ids=[[token_id] for _ in req_ids], logprobs=None,
-                             prompt_logprobs_dict={}, pooler_output=[])
+    return engine.model_runner_output(req_ids, [[token_id] for _ in req_ids], logprobs=None,
+                                      prompt_logprobs_dict={}, pooler_output=[])
 
 
 def block_ids(blocks) -> list[int]:

@@ -224,29 +224,126 @@ def _without_matrix_args(argv: list[str]) -> list[str]:
     return out
 
 
+class _SetupFailed(Exception):
+    """The run cannot start; the message goes to stderr and the exit status is
+    :data:`EXIT_SETUP_FAILED`."""
+
+
+def _other_vllm(args: argparse.Namespace, argv: list[str]) -> int | None:
+    """``--all`` / ``--vllm-version`` for a vLLM other than this interpreter's: run it in
+    the matrix's own venvs and return its exit status; ``None``: run here."""
+    if not (args.all or args.vllm_version):
+        return None
+    from kvpool.conformance import matrix
+    from kvpool.vllm_compat import VLLM_RELEASES
+
+    forwarded = _without_matrix_args(argv)
+    if args.all:
+        return matrix.run_matrix(forwarded, args.json)
+    if args.vllm_version not in VLLM_RELEASES:
+        print(
+            f"conformance: vLLM {args.vllm_version} is not in kvpool's matrix ({', '.join(VLLM_RELEASES)})",
+            file=sys.stderr,
+        )
+        return EXIT_SETUP_FAILED
+    installed = None
+    try:
+        installed = _vllm_version()
+    except metadata.PackageNotFoundError:
+        pass
+    if installed != args.vllm_version:
+        return matrix.run_version(args.vllm_version, forwarded, args.json)[0]
+    return None
+
+
+def _extract_suites(args: argparse.Namespace, vllm_version: str, suites: list[str],
+                    src_root: Path) -> tuple[str | Path, list[str]]:
+    """vLLM's tests from the sdist into ``src_root``: ``(sdist path, suites it has)``.
+
+    Raises:
+        _SetupFailed: no sdist, or an explicitly asked suite is not in it.
+    """
+    if src_root.exists():
+        shutil.rmtree(src_root)
+    try:
+        tarball = args.sdist or sd.fetch_sdist(vllm_version, index_url=args.index_url)
+        sd.extract_tests(Path(tarball), src_root)
+    except (sd.SdistError, tarfile.TarError, OSError) as e:
+        raise _SetupFailed(f"conformance: {e}") from e
+    missing = [s for s in suites if not (src_root / s.split("::", 1)[0]).exists()]
+    if missing and not args.suite:
+        # A default suite an older release does not have yet: run the others.
+        print(f"conformance: not in the vLLM {vllm_version} sdist, left out: {', '.join(missing)}", flush=True)
+        return tarball, [s for s in suites if s not in missing]
+    if missing:
+        raise _SetupFailed(f"conformance: not in the vLLM {vllm_version} sdist: {', '.join(missing)}")
+    return tarball, suites
+
+
+def _run(args: argparse.Namespace, vllm_version: str, suites: list[str], modes: list[str],
+         workdir: Path, keep: bool, t0: float) -> int:
+    """Set up ``workdir``, run the suites in each mode, write and print the report."""
+    src_root = workdir / "src"
+    tarball, suites = _extract_suites(args, vllm_version, suites, src_root)
+    wd.write_overrides(src_root, suites)
+    hf_home = wd.prepare_hf_home(workdir)
+    exclusions = st.exclusions_for(suites)
+    exclusions_path = workdir / "exclusions.json"
+    exclusions_path.write_text(json.dumps([{"nodeid": e.nodeid, "reason": e.reason} for e in exclusions]))
+    print(
+        f"conformance: vLLM {vllm_version} tests in {src_root} ({time.monotonic() - t0:.1f} s setup); "
+        f"{len(suites)} suite(s), {len(exclusions)} exclusion(s), modes: {', '.join(modes)}",
+        flush=True,
+    )
+    runs = []
+    for mode in modes:
+        outcomes_path = workdir / f"{mode}.json"
+        if outcomes_path.exists():
+            outcomes_path.unlink()
+        cmd = pytest_command(
+            mode, suites, src_root, outcomes_path, exclusions_path, exclusions, args.keyword, args.pytest_arg
+        )
+        env = wd.run_environment(dict(os.environ), hf_home, mode)
+        runs.append(_Run(mode, cmd, env, src_root, workdir))
+    run_modes(runs, args.jobs, args.timeout)
+    results = {run.mode: run.result() for run in runs}
+    report = rpt.build_report(
+        vllm_version=vllm_version,
+        suites=suites,
+        vanilla=results.get("vanilla"),
+        kvpool=results.get("kvpool"),
+        exclusions=exclusions,
+        extra={
+            "sdist": str(tarball),
+            "jobs": args.jobs,
+            "keyword": args.keyword,
+            "total_wall_s": round(time.monotonic() - t0, 1),
+            "workdir": str(workdir) if keep else None,
+            "pytest": {
+                run.mode: {
+                    "argv": run.cmd[1:],
+                    "exit_status": results[run.mode].exitstatus,
+                    "collected": results[run.mode].collected,
+                }
+                for run in runs
+            },
+        },
+    )
+    if args.json:  # the results first, before anything else can fail
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(rpt.format_summary(report))
+    print(f"conformance: total {report['total_wall_s']:.0f} s", flush=True)
+    if args.json:
+        print(f"conformance: report written to {args.json}")
+    return report["exit_code"]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    if args.all or args.vllm_version:
-        from kvpool.conformance import matrix
-        from kvpool.vllm_compat import VLLM_RELEASES
-
-        forwarded = _without_matrix_args(argv)
-        if args.all:
-            return matrix.run_matrix(forwarded, args.json)
-        if args.vllm_version not in VLLM_RELEASES:
-            print(
-                f"conformance: vLLM {args.vllm_version} is not in kvpool's matrix ({', '.join(VLLM_RELEASES)})",
-                file=sys.stderr,
-            )
-            return EXIT_SETUP_FAILED
-        installed = None
-        try:
-            installed = _vllm_version()
-        except metadata.PackageNotFoundError:
-            pass
-        if installed != args.vllm_version:
-            return matrix.run_version(args.vllm_version, forwarded, args.json)[0]
+    status = _other_vllm(args, argv)
+    if status is not None:
+        return status
     suites = [s.rstrip("/") for s in (args.suite or st.DEFAULT_SUITES)]
     modes = list(MODES) if args.mode == "both" else [args.mode]
     try:
@@ -264,78 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tempfile.mkdtemp(prefix="kvpool-conformance-"))
         keep = args.keep_workdir
     try:
-        src_root = workdir / "src"
-        if src_root.exists():
-            shutil.rmtree(src_root)
-        try:
-            tarball = args.sdist or sd.fetch_sdist(vllm_version, index_url=args.index_url)
-            sd.extract_tests(Path(tarball), src_root)
-        except (sd.SdistError, tarfile.TarError, OSError) as e:
-            print(f"conformance: {e}", file=sys.stderr)
-            return EXIT_SETUP_FAILED
-        missing = [s for s in suites if not (src_root / s.split("::", 1)[0]).exists()]
-        if missing and not args.suite:
-            # A default suite an older release does not have yet: run the others.
-            print(f"conformance: not in the vLLM {vllm_version} sdist, left out: {', '.join(missing)}", flush=True)
-            suites = [s for s in suites if s not in missing]
-            missing = []
-        if missing:
-            print(f"conformance: not in the vLLM {vllm_version} sdist: {', '.join(missing)}", file=sys.stderr)
-            return EXIT_SETUP_FAILED
-        wd.write_overrides(src_root, suites)
-        hf_home = wd.prepare_hf_home(workdir)
-        exclusions = st.exclusions_for(suites)
-        exclusions_path = workdir / "exclusions.json"
-        exclusions_path.write_text(json.dumps([{"nodeid": e.nodeid, "reason": e.reason} for e in exclusions]))
-        setup_s = time.monotonic() - t0
-        print(
-            f"conformance: vLLM {vllm_version} tests in {src_root} ({setup_s:.1f} s setup); "
-            f"{len(suites)} suite(s), {len(exclusions)} exclusion(s), modes: {', '.join(modes)}",
-            flush=True,
-        )
-
-        runs = []
-        for mode in modes:
-            outcomes_path = workdir / f"{mode}.json"
-            if outcomes_path.exists():
-                outcomes_path.unlink()
-            cmd = pytest_command(
-                mode, suites, src_root, outcomes_path, exclusions_path, exclusions, args.keyword, args.pytest_arg
-            )
-            env = wd.run_environment(dict(os.environ), hf_home, mode)
-            runs.append(_Run(mode, cmd, env, src_root, workdir))
-        run_modes(runs, args.jobs, args.timeout)
-        results = {run.mode: run.result() for run in runs}
-
-        report = rpt.build_report(
-            vllm_version=vllm_version,
-            suites=suites,
-            vanilla=results.get("vanilla"),
-            kvpool=results.get("kvpool"),
-            exclusions=exclusions,
-            extra={
-                "sdist": str(tarball),
-                "jobs": args.jobs,
-                "keyword": args.keyword,
-                "total_wall_s": round(time.monotonic() - t0, 1),
-                "workdir": str(workdir) if keep else None,
-                "pytest": {
-                    run.mode: {
-                        "argv": run.cmd[1:],
-                        "exit_status": results[run.mode].exitstatus,
-                        "collected": results[run.mode].collected,
-                    }
-                    for run in runs
-                },
-            },
-        )
-        if args.json:  # the results first, before anything else can fail
-            args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(rpt.format_summary(report))
-        print(f"conformance: total {report['total_wall_s']:.0f} s", flush=True)
-        if args.json:
-            print(f"conformance: report written to {args.json}")
-        return report["exit_code"]
+        return _run(args, vllm_version, suites, modes, workdir, keep, t0)
+    except _SetupFailed as e:
+        print(e, file=sys.stderr)
+        return EXIT_SETUP_FAILED
     finally:
         if keep:
             print(f"conformance: scratch directory kept: {workdir}")

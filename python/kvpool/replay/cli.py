@@ -15,8 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from kvpool import cliargs
-from kvpool.replay.driver import MODES, PoolSpec
-from kvpool.replay.workloads import WORKLOADS, Workload, from_trace, truncate_rounds
+from kvpool.replay import report
+from kvpool.replay.compare import compare
+from kvpool.replay.engine import PoolSpec
+from kvpool.replay.modes import MODES
+from kvpool.replay.results import RunConfig
+from kvpool.replay.traces import from_trace, truncate_rounds
+from kvpool.replay.workloads import WORKLOADS, Workload
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -42,16 +47,22 @@ DEFAULT_OUT_DIR = "replay-out"
 PIPED_WIDTH = 120
 
 
+DESCRIPTION = (
+    "Drive vLLM's real Scheduler/KVCacheManager (no model) through a workload and "
+    "report block-table contiguity, prefix-cache hits, evictions, preemptions and "
+    "scheduler CPU per round, for vanilla vLLM, kvpool, kvpool with the canonical "
+    "free-list reorder between rounds, and kvpool's contiguous allocation policy."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m kvpool replay",
-        description=(
-            "Drive vLLM's real Scheduler/KVCacheManager (no model) through a workload and "
-            "report block-table contiguity, prefix-cache hits, evictions, preemptions and "
-            "scheduler CPU per round, for vanilla vLLM, kvpool, kvpool with the canonical "
-            "free-list reorder between rounds, and kvpool's contiguous allocation policy."
-        ),
-    )
+    p = argparse.ArgumentParser(prog="python -m kvpool replay", description=DESCRIPTION)
+    add_cli_args(p)
+    return p
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """The replay's options (docs/replay.md)."""
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="grpo",
                    help="built-in workload (default: grpo, the RFC's GRPO rollout shape; serving: "
                    "never idle, rounds are windows of engine steps)")
@@ -87,7 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "in the JSON, for `python -m kvpool locality --replay-tables`")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--quiet", action="store_true", help="no tables (implies --no-progress)")
-    return p
 
 
 def make_workload(args: argparse.Namespace) -> Workload:
@@ -169,14 +179,98 @@ def output_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> t
     return json_path, plot_path
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+class _Progress:
+    """The progress bar on stderr (none with ``--no-progress`` or ``--quiet``), and the
+    runner's ``on_round`` / ``on_skip`` callbacks that move it."""
+
+    def __init__(self, args: argparse.Namespace, wl: Workload, err) -> None:
+        self.err, self.wl, self.bar = err, wl, None
+        if args.no_progress or args.quiet:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=err, transient=False)
+        self.task = self.bar.add_task(f"replay {wl.name}", total=wl.num_rounds * len(args.modes))
+
+    def __enter__(self) -> _Progress:
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    @property
+    def on_round(self):
+        if self.bar is None:
+            return None
+        return lambda mode, rnd: self.bar.update(
+            self.task, advance=1, description=f"replay {self.wl.name} [{mode}] round {rnd}")
+
+    def on_skip(self, mode: str, why: str) -> None:
+        self.err.print(f"[bold red]replay: mode {mode} skipped:[/] {why}")
+        if self.bar is not None:
+            self.bar.update(self.task, advance=self.wl.num_rounds)
+
+
+def build_report(args: argparse.Namespace, argv: list[str], wl: Workload, pool: PoolSpec,
+                 modes: dict[str, Any], wall: float) -> dict[str, Any]:
+    """The ``--json`` report (docs/replay.md, "JSON layout"): ``modes`` is the runner's
+    mode name -> :class:`~.results.ModeResult`."""
+    modes_json = {m: r.to_json() for m, r in modes.items()}
+    out = {
+        "workload": wl.to_json(),
+        "config": RunConfig(
+            num_blocks=pool.num_blocks, block_size=pool.block_size, seed=args.seed, scale=args.scale,
+            model=wl.engine.model, max_model_len=wl.max_model_len(), modes_requested=list(args.modes),
+            argv=["python", "-m", "kvpool", "replay", *argv], wall_s=wall, versions=_versions(),
+        ).to_json(),
+        "modes": modes_json,
+        "comparison": compare(modes_json),
+    }
+    out["verdict"] = report.verdict(out)
+    return out
+
+
+def _write_outputs(out: dict[str, Any], args: argparse.Namespace, json_path: Path, plot_path: Path | None,
+                   console, err) -> None:
+    # The results first: nothing that can fail after this loses them.
+    report.write_json(json_path, out)
+    if not args.quiet:
+        report.render_tables(out, console)
+        console.print(f"wall time {out['config']['wall_s']:.1f} s")
+    err.print(f"wrote {json_path}")
+    if plot_path is not None:
+        report.plot(out, plot_path)
+        err.print(f"wrote {plot_path}")
+    for line in out["verdict"]:
+        console.print(line, highlight=False)
+
+
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Reject contradicting options and unwritable outputs before any work starts; sets
+    ``args.json_path`` and ``args.plot_path``."""
     if args.num_blocks < 2:
         parser.error("argument --num-blocks: expected an integer >= 2")
     if args.save_tables and not args.json:
         parser.error("--save-tables needs --json PATH (the tables go into the JSON)")
-    json_path, plot_path = output_paths(args, parser)
+    args.json_path, args.plot_path = output_paths(args, parser)
+
+
+def main(args: argparse.Namespace | list[str] | None = None) -> int:
+    """``python -m kvpool replay``: parse (``args`` a list, or ``None`` for
+    ``sys.argv``; a parsed namespace as is), run every mode, write and render the report.
+
+    Returns:
+        0; 1 when a requested mode was skipped; 2 on a bad workload or a failed run.
+    """
+    argv = sys.argv[2:] if args is None else args
+    if not isinstance(args, argparse.Namespace):
+        args = build_parser().parse_args(argv)
+        args.argv = list(argv)
+    _check(args, build_parser())
     # The replay never touches a device; vLLM still needs to know which platform it is on.
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -198,71 +292,16 @@ def main(argv: list[str] | None = None) -> int:
     # Enter the offline cache before vLLM/transformers/huggingface_hub are imported:
     # huggingface_hub reads HF_HUB_OFFLINE once, at import time.
     with offline_hf_cache([wl.engine.model]):
-        from kvpool.replay import driver, report
+        from kvpool.replay.runner import run_replay
 
         t0 = time.perf_counter()
-        total = wl.num_rounds * len(args.modes)
-        show = not (args.no_progress or args.quiet)
-        if show:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            progress = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TimeElapsedColumn(), console=err, transient=False,
-            )
-            task = progress.add_task(f"replay {wl.name}", total=total)
-            progress.start()
-
-            def on_round(mode: str, rnd: int) -> None:
-                progress.update(task, advance=1, description=f"replay {wl.name} [{mode}] round {rnd}")
-        else:
-            progress = None
-            on_round = None
-
-        def on_skip(mode: str, why: str) -> None:
-            err.print(f"[bold red]replay: mode {mode} skipped:[/] {why}")
-            if progress is not None:
-                progress.update(task, advance=wl.num_rounds)
-
         try:
-            res = driver.run_replay(wl, pool, args.modes, seed=args.seed, on_round=on_round, on_skip=on_skip,
-                                    save_tables=args.save_tables)
+            with _Progress(args, wl, err) as progress:
+                modes = run_replay(wl, pool, args.modes, seed=args.seed, on_round=progress.on_round,
+                                   on_skip=progress.on_skip, save_tables=args.save_tables)
         except (ValueError, RuntimeError) as e:  # workload does not fit the pool, no progress
             err.print(f"python -m kvpool replay: error: {e}")
             return 2
-        finally:
-            if progress is not None:
-                progress.stop()
-        wall = time.perf_counter() - t0
-        out = {
-            "workload": wl.to_json(),
-            "config": {
-                "num_blocks": pool.num_blocks,
-                "block_size": pool.block_size,
-                "seed": args.seed,
-                "scale": args.scale,
-                "model": wl.engine.model,
-                "max_model_len": wl.max_model_len(),
-                "modes_requested": list(args.modes),
-                "argv": ["python", "-m", "kvpool", "replay", *(sys.argv[2:] if argv is None else argv)],
-                "wall_s": wall,
-                **_versions(),
-            },
-            "modes": res["modes"],
-            "comparison": driver.compare(res["modes"]),
-        }
-        out["verdict"] = report.verdict(out)
-        # The results first: nothing that can fail after this loses them.
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        driver.write_json(json_path, out)
-        if not args.quiet:
-            report.render_tables(out, console)
-            console.print(f"wall time {wall:.1f} s")
-        err.print(f"wrote {json_path}")
-        if plot_path is not None:
-            report.plot(out, plot_path)
-            err.print(f"wrote {plot_path}")
-        for line in out["verdict"]:
-            console.print(line, highlight=False)
-    skipped = [m for m, r in res["modes"].items() if "skipped" in r]
-    return 1 if skipped else 0
+        out = build_report(args, getattr(args, "argv", sys.argv[2:]), wl, pool, modes, time.perf_counter() - t0)
+        _write_outputs(out, args, args.json_path, args.plot_path, console, err)
+    return 1 if any(r.skipped is not None for r in modes.values()) else 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -25,99 +26,75 @@ def _us(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e6:.1f}"
 
 
-def render_tables(report: dict[str, Any], console) -> None:
-    """Print per-round tables (one column per mode) and a per-mode summary to ``console``."""
-    from rich.markup import escape
+def _cell(r: dict[str, Any], i: int, key: str, fmt) -> str:
+    rr = r["rounds"][i] if i < len(r["rounds"]) else {}
+    v = rr.get(key)
+    return fmt(v) if callable(fmt) else _f(v, fmt)
+
+
+def _head(label: str, m: str) -> str:
+    return f"{label}\n{_mode_head(m)}"
+
+
+def _per_round(modes: dict[str, Any], n: int, warm: int, width: int, title: str,
+               columns: list[tuple[str, str, Any]]) -> list:
+    """Tables of ``columns`` (label, round key, format) per round, one column per mode.
+
+    One table per group of metrics that fits ``width``: a metric's mode columns stay
+    side by side, and no number is cut to "1409…".
+    """
     from rich.table import Table
 
-    modes = {m: r for m, r in report["modes"].items() if "rounds" in r}
-    for m, r in report["modes"].items():
-        if "skipped" in r:
-            console.print(f"[bold red]{m}: skipped[/] - {r['skipped']}")
-    if not modes:
-        return
-    wl = report["workload"]
-    cfg = report["config"]
-    n = max(len(r["rounds"]) for r in modes.values())
-    warm = int(wl.get("params", {}).get("warmup", 0) or 0)
-    deferred = any(x["deferred_frees"] for r in modes.values() for x in r["rounds"])
+    def group_width(label: str, key: str, fmt) -> int:
+        w = 0
+        for m, r in modes.items():
+            cells = [_cell(r, i, key, fmt) for i in range(n)]
+            w += max([len(c) for c in cells] + [len(label), *map(len, m.replace("+", " +").split())]) + 3
+        return w
 
-    def head(label: str, m: str) -> str:
-        return f"{label}\n{_mode_head(m)}"
+    first = max(len(f"{n - 1} (warmup)") if warm else len(str(n - 1)), len("round")) + 4
+    groups: list[list[tuple[str, str, Any]]] = [[]]
+    used = first
+    for col in columns:
+        w = group_width(*col)
+        if groups[-1] and used + w > width:
+            groups.append([])
+            used = first
+        groups[-1].append(col)
+        used += w
+    tables = []
+    for k, group in enumerate(groups):
+        t = Table(title=title if k == 0 else f"{title} (continued)", title_justify="left")
+        t.add_column("round", justify="right", no_wrap=True)
+        for label, _, _ in group:
+            for m in modes:
+                t.add_column(_head(label, m), justify="right", no_wrap=True)
+        for i in range(n):
+            row = [f"{i}{' (warmup)' if i < warm else ''}"]
+            for _, key, fmt in group:
+                row += [_cell(r, i, key, fmt) for r in modes.values()]
+            t.add_row(*row)
+        tables.append(t)
+    return tables
 
-    def cell(r: dict[str, Any], i: int, key: str, fmt) -> str:
-        rr = r["rounds"][i] if i < len(r["rounds"]) else {}
-        v = rr.get(key)
-        return fmt(v) if callable(fmt) else _f(v, fmt)
 
-    def per_round(title: str, columns: list[tuple[str, str, Any]]) -> list[Table]:
-        # One table per group of metrics that fits the console: a metric's mode
-        # columns stay side by side, and no number is cut to "1409…".
-        def group_width(label: str, key: str, fmt) -> int:
-            w = 0
-            for m, r in modes.items():
-                cells = [cell(r, i, key, fmt) for i in range(n)]
-                w += max([len(c) for c in cells] + [len(label), *map(len, m.replace("+", " +").split())]) + 3
-            return w
+def _cache_table(modes: dict[str, Any], n: int, ref_mode: str):
+    """Prefix cache and preemptions: ``ref_mode``'s numbers, and per other mode whether
+    its round had exactly those (hit tokens, evicted hashes in order, preemptions)."""
+    from rich.table import Table
 
-        first = max(len(f"{n - 1} (warmup)") if warm else len(str(n - 1)), len("round")) + 4
-        groups: list[list[tuple[str, str, Any]]] = [[]]
-        used = first
-        for col in columns:
-            w = group_width(*col)
-            if groups[-1] and used + w > console.width:
-                groups.append([])
-                used = first
-            groups[-1].append(col)
-            used += w
-        tables = []
-        for k, group in enumerate(groups):
-            t = Table(title=title if k == 0 else f"{title} (continued)", title_justify="left")
-            t.add_column("round", justify="right", no_wrap=True)
-            for label, _, _ in group:
-                for m in modes:
-                    t.add_column(head(label, m), justify="right", no_wrap=True)
-            for i in range(n):
-                row = [f"{i}{' (warmup)' if i < warm else ''}"]
-                for _, key, fmt in group:
-                    row += [cell(r, i, key, fmt) for r in modes.values()]
-                t.add_row(*row)
-            tables.append(t)
-        return tables
-
-    console.print(
-        f"[bold]{wl['name']}[/]: {wl['description']}\n"
-        f"pool {cfg['num_blocks']} blocks x {cfg['block_size']} tokens, "
-        f"max_model_len {cfg['max_model_len']}, seed {cfg['seed']}, vLLM {cfg.get('vllm_version')}"
-    )
-    console.print(*per_round(
-        escape("block-table contiguity: fraction of adjacent logical blocks with id[i+1] == id[i]+1"),
-        [("prompt", "contiguity", "{:.3f}"), ("whole table", "table_contiguity", "{:.3f}")],
-    ))
-    cols = [
-        ("mean run", "mean_run_length", "{:.1f}"),
-        ("prompt desc.", "prompt_descending", "{:.3f}"),
-        ("sched us/step", "sched_cpu_s_per_step", _us),
-    ]
-    if deferred:
-        cols.append(("drain us/step", "drain_cpu_s_per_step", lambda v: "-" if v is None else f"{v * 1e6:.2f}"))
-    console.print(*per_round("runs (blocks), descending pairs, scheduler CPU per step", cols))
-
-    # Prefix cache and preemptions: vanilla's numbers, and per other mode whether its
-    # round had exactly those (hit tokens, evicted hashes in order, preemptions).
     t = Table(title="prefix-cache hit tokens, evictions (cached blocks), preemptions; "
               "other modes: all three equal to vanilla's (evictions: same hashes, same order)",
               title_justify="left")
-    ref_mode = "vanilla" if "vanilla" in modes else next(iter(modes))
     ref = modes[ref_mode]["rounds"]
     t.add_column("round", justify="right", no_wrap=True)
     for label, key in (("hit tokens", "prefix_cache_hit_tokens"), ("evictions", "evictions"),
                        ("preemptions", "preemptions")):
         words = [str(x.get(key, "-")) for x in ref] + label.split() + [ref_mode]
-        t.add_column(head(label, ref_mode), justify="right", overflow="fold", min_width=_longest_word(words))
+        t.add_column(_head(label, ref_mode), justify="right", overflow="fold", min_width=_longest_word(words))
     others = [m for m in modes if m != ref_mode]
     for m in others:
-        t.add_column(head(f"= {ref_mode}", m), justify="center", overflow="fold",
+        t.add_column(_head(f"= {ref_mode}", m), justify="center", overflow="fold",
                      min_width=_longest_word([ref_mode, *m.replace("+", " +").split()]))
     for i in range(n):
         rr = ref[i] if i < len(ref) else {}
@@ -132,91 +109,163 @@ def render_tables(report: dict[str, Any], console) -> None:
                        ("prefix_cache_hit_tokens", "evictions", "eviction_digest", "preemptions"))
             row.append("[green]yes[/]" if same else "[bold red]NO[/]")
         t.add_row(*row)
-    console.print(t)
+    return t
 
-    if wl.get("continuous"):
-        first = modes[ref_mode]["rounds"]
-        t = Table(title=f"continuous load ({ref_mode}): rounds are windows of {wl.get('window_steps')} engine steps",
-                  title_justify="left")
-        for label in ("round", "arrivals", "finished", "in flight min-max (mean)", "running min-max",
-                      "idle steps"):
-            t.add_column(label, justify="right")
-        for x in first:
-            t.add_row(str(x["round"]), str(x["arrivals"]), str(x["finished"]),
-                      f"{x['in_flight_min']}-{x['in_flight_max']} ({x['in_flight_mean']:.1f})",
-                      f"{x['running_min']}-{x['running_max']}", str(x["idle_steps"]))
-        console.print(t)
 
-    cmp_ = report.get("comparison", {})
-    summary_rows: list[list[str]] = []
+def _continuous_table(rounds: list[dict[str, Any]], ref_mode: str, window_steps):
+    from rich.table import Table
 
-    def row(label: str, fn) -> None:
-        summary_rows.append([label, *[fn(m, r, cmp_.get(m, {})) for m, r in modes.items()]])
+    t = Table(title=f"continuous load ({ref_mode}): rounds are windows of {window_steps} engine steps",
+              title_justify="left")
+    for label in ("round", "arrivals", "finished", "in flight min-max (mean)", "running min-max",
+                  "idle steps"):
+        t.add_column(label, justify="right")
+    for x in rounds:
+        t.add_row(str(x["round"]), str(x["arrivals"]), str(x["finished"]),
+                  f"{x['in_flight_min']}-{x['in_flight_max']} ({x['in_flight_mean']:.1f})",
+                  f"{x['running_min']}-{x['running_max']}", str(x["idle_steps"]))
+    return t
 
-    def total(key: str):
-        return lambda m, r, c: str(sum(x[key] for x in r["rounds"]))
 
-    def pool_class(m, r, c):
-        name = r["info"]["block_pool_class"]
-        return f"{name.split('.', 1)[0]}: {name.rsplit('.', 1)[-1]}"
+def _total(key: str):
+    return lambda m, r, c: str(sum(x[key] for x in r["rounds"]))
 
-    row("block pool (package:class)", pool_class)
-    row("engine steps", total("num_steps"))
-    row("sched CPU us/step", lambda m, r, c: _us(c.get("sched_cpu_s_per_step")))
-    row("  vs vanilla", lambda m, r, c: _f(c.get("sched_cpu_ratio_vs_vanilla"), "{:.2f}x"))
+
+def _pool_class(m, r, c) -> str:
+    name = r["info"]["block_pool_class"]
+    return f"{name.split('.', 1)[0]}: {name.rsplit('.', 1)[-1]}"
+
+
+def _cache_equal(m, r, c) -> str:
+    if c.get("rounds_cache_equal_to_vanilla") is None:
+        return "-"
+    return f"{c['rounds_cache_equal_to_vanilla']}/{c['rounds_compared']} rounds"
+
+
+def _reorder(m, r, c) -> str:
+    xs = [x["reorder_cpu_s"] for x in r["rounds"] if "reorder_cpu_s" in x]
+    if not xs:
+        return "-"
+    ok = sum(bool(x.get("reorder_ok")) for x in r["rounds"] if "reorder_cpu_s" in x)
+    return f"{ok}/{len(xs)} ok, {sum(xs) / len(xs) * 1e6:.1f} us"
+
+
+def _scaled(key: str, factor: float, fmt: str):
+    """``comparison[mode][key] * factor`` formatted, ``-`` when absent."""
+    return lambda m, r, c: _f(None if c.get(key) is None else c[key] * factor, fmt)
+
+
+def _ratio(key: str):
+    return lambda m, r, c: _f(c.get(key), "{:.2f}x")
+
+
+def _summary_rows(modes: dict[str, Any], deferred: bool, continuous: bool) -> list[tuple[str, Any]]:
+    """(label, ``fn(mode, mode result, comparison entry) -> cell``) of the per-mode summary."""
+    rows: list[tuple[str, Any]] = [
+        ("block pool (package:class)", _pool_class),
+        ("engine steps", _total("num_steps")),
+        ("sched CPU us/step", lambda m, r, c: _us(c.get("sched_cpu_s_per_step"))),
+        ("  vs vanilla", _ratio("sched_cpu_ratio_vs_vanilla")),
+    ]
     if "kvpool" in modes:
-        row("  vs kvpool", lambda m, r, c: _f(c.get("sched_cpu_ratio_vs_kvpool"), "{:.2f}x"))
-    row("prefill-step CPU ms/round", lambda m, r, c: _f(
-        sum(x["prefill_sched_cpu_s"] for x in r["rounds"]) / len(r["rounds"]) * 1e3, "{:.2f}"))
+        rows.append(("  vs kvpool", _ratio("sched_cpu_ratio_vs_kvpool")))
+    rows.append(("prefill-step CPU ms/round", lambda m, r, c: _f(
+        sum(x["prefill_sched_cpu_s"] for x in r["rounds"]) / len(r["rounds"]) * 1e3, "{:.2f}")))
     if deferred:
-        row("deferred frees (blocks)", lambda m, r, c: f"{sum(x['deferred_frees'] for x in r['rounds'])} "
-            f"({sum(x['deferred_blocks'] for x in r['rounds'])})")
-        row("drain CPU us/step", lambda m, r, c: _f(
-            None if c.get("drain_cpu_s_per_step") is None else c["drain_cpu_s_per_step"] * 1e6, "{:.2f}"))
-        row("  vs vanilla", lambda m, r, c: _f(c.get("drain_cpu_ratio_vs_vanilla"), "{:.2f}x"))
-        row("push+drain ns per deferred block (median)", lambda m, r, c: _f(
-            None if c.get("deferred_free_s_per_block_median") is None
-            else c["deferred_free_s_per_block_median"] * 1e9, "{:.0f}"))
-        row("  vs vanilla", lambda m, r, c: _f(c.get("deferred_free_ratio_vs_vanilla"), "{:.2f}x"))
-    row("min / mean prompt contiguity",
-        lambda m, r, c: f"{_f(c.get('min_contiguity'))} / {_f(c.get('mean_contiguity'))}")
-    row("highest block id used", lambda m, r, c: str(max(x["max_block_id"] for x in r["rounds"])))
-    row("preemptions", total("preemptions"))
-    row("prefix-cache hit tokens", total("prefix_cache_hit_tokens"))
-    row("evictions (cached blocks)", total("evictions"))
+        rows += [
+            ("deferred frees (blocks)", lambda m, r, c: f"{sum(x['deferred_frees'] for x in r['rounds'])} "
+             f"({sum(x['deferred_blocks'] for x in r['rounds'])})"),
+            ("drain CPU us/step", _scaled("drain_cpu_s_per_step", 1e6, "{:.2f}")),
+            ("  vs vanilla", _ratio("drain_cpu_ratio_vs_vanilla")),
+            ("push+drain ns per deferred block (median)", _scaled("deferred_free_s_per_block_median", 1e9, "{:.0f}")),
+            ("  vs vanilla", _ratio("deferred_free_ratio_vs_vanilla")),
+        ]
+    rows += [
+        ("min / mean prompt contiguity",
+         lambda m, r, c: f"{_f(c.get('min_contiguity'))} / {_f(c.get('mean_contiguity'))}"),
+        ("highest block id used", lambda m, r, c: str(max(x["max_block_id"] for x in r["rounds"]))),
+        ("preemptions", _total("preemptions")),
+        ("prefix-cache hit tokens", _total("prefix_cache_hit_tokens")),
+        ("evictions (cached blocks)", _total("evictions")),
+        ("hits/evictions/preemptions equal to vanilla", _cache_equal),
+        ("blocks not freed after a round", lambda m, r, c: str(c.get("max_leaked_blocks", 0))),
+        ("rounds with vanilla's exact tables", lambda m, r, c: "-" if c.get("rounds_identical_to_vanilla") is None
+         else f"{c['rounds_identical_to_vanilla']}/{len(r['rounds'])}"),
+        ("reorder between rounds", _reorder),
+    ]
+    if continuous:
+        rows += [
+            ("drain after the last window (steps)",
+             lambda m, r, c: str(r["info"].get("drain", {}).get("steps", "-"))),
+            ("blocks not freed after the drain",
+             lambda m, r, c: str(r["info"].get("drain", {}).get("leaked_blocks", "-"))),
+        ]
+    return rows
 
-    def cache_equal(m, r, c):
-        if c.get("rounds_cache_equal_to_vanilla") is None:
-            return "-"
-        return f"{c['rounds_cache_equal_to_vanilla']}/{c['rounds_compared']} rounds"
 
-    row("hits/evictions/preemptions equal to vanilla", cache_equal)
-    row("blocks not freed after a round", lambda m, r, c: str(c.get("max_leaked_blocks", 0)))
-    row("rounds with vanilla's exact tables", lambda m, r, c: "-" if c.get("rounds_identical_to_vanilla") is None
-        else f"{c['rounds_identical_to_vanilla']}/{len(r['rounds'])}")
+def _summary_table(modes: dict[str, Any], comparison: dict[str, Any], deferred: bool, continuous: bool):
+    from rich.table import Table
 
-    def reorder(m, r, c):
-        xs = [x["reorder_cpu_s"] for x in r["rounds"] if "reorder_cpu_s" in x]
-        if not xs:
-            return "-"
-        ok = sum(bool(x.get("reorder_ok")) for x in r["rounds"] if "reorder_cpu_s" in x)
-        return f"{ok}/{len(xs)} ok, {sum(xs) / len(xs) * 1e6:.1f} us"
-
-    row("reorder between rounds", reorder)
-    if wl.get("continuous"):
-        row("drain after the last window (steps)", lambda m, r, c: str(r["info"].get("drain", {}).get("steps", "-")))
-        row("blocks not freed after the drain",
-            lambda m, r, c: str(r["info"].get("drain", {}).get("leaked_blocks", "-")))
+    cells = [[label, *[fn(m, r, comparison.get(m, {})) for m, r in modes.items()]]
+             for label, fn in _summary_rows(modes, deferred, continuous)]
     # Cells wrap between words when the console is narrow, never inside one: each
     # column is at least as wide as its longest word, so no value is cut to "1409…".
     s = Table(title="per mode, all rounds", title_justify="left")
-    s.add_column("", overflow="fold", min_width=min(12, _longest_word(x[0] for x in summary_rows)))
+    s.add_column("", overflow="fold", min_width=min(12, _longest_word(x[0] for x in cells)))
     for k, m in enumerate(modes, start=1):
         s.add_column(_mode_head(m), justify="right", overflow="fold",
-                     min_width=_longest_word([x[k] for x in summary_rows] + m.replace("+", " +").split()))
-    for x in summary_rows:
+                     min_width=_longest_word([x[k] for x in cells] + m.replace("+", " +").split()))
+    for x in cells:
         s.add_row(*x)
-    console.print(s)
+    return s
+
+
+def render_tables(report: dict[str, Any], console) -> None:
+    """Print per-round tables (one column per mode) and a per-mode summary to ``console``."""
+    from rich.markup import escape
+
+    modes = {m: r for m, r in report["modes"].items() if "rounds" in r}
+    for m, r in report["modes"].items():
+        if "skipped" in r:
+            console.print(f"[bold red]{m}: skipped[/] - {r['skipped']}")
+    if not modes:
+        return
+    wl, cfg = report["workload"], report["config"]
+    n = max(len(r["rounds"]) for r in modes.values())
+    warm = int(wl.get("params", {}).get("warmup", 0) or 0)
+    deferred = any(x["deferred_frees"] for r in modes.values() for x in r["rounds"])
+    console.print(
+        f"[bold]{wl['name']}[/]: {wl['description']}\n"
+        f"pool {cfg['num_blocks']} blocks x {cfg['block_size']} tokens, "
+        f"max_model_len {cfg['max_model_len']}, seed {cfg['seed']}, vLLM {cfg.get('vllm_version')}"
+    )
+    console.print(*_per_round(
+        modes, n, warm, console.width,
+        escape("block-table contiguity: fraction of adjacent logical blocks with id[i+1] == id[i]+1"),
+        [("prompt", "contiguity", "{:.3f}"), ("whole table", "table_contiguity", "{:.3f}")],
+    ))
+    cols = [
+        ("mean run", "mean_run_length", "{:.1f}"),
+        ("prompt desc.", "prompt_descending", "{:.3f}"),
+        ("sched us/step", "sched_cpu_s_per_step", _us),
+    ]
+    if deferred:
+        cols.append(("drain us/step", "drain_cpu_s_per_step", lambda v: "-" if v is None else f"{v * 1e6:.2f}"))
+    console.print(*_per_round(modes, n, warm, console.width,
+                              "runs (blocks), descending pairs, scheduler CPU per step", cols))
+    ref_mode = "vanilla" if "vanilla" in modes else next(iter(modes))
+    console.print(_cache_table(modes, n, ref_mode))
+    if wl.get("continuous"):
+        console.print(_continuous_table(modes[ref_mode]["rounds"], ref_mode, wl.get("window_steps")))
+    console.print(_summary_table(modes, report.get("comparison", {}), deferred, bool(wl.get("continuous"))))
+
+
+def write_json(path: str | Path, report: dict[str, Any]) -> None:
+    """Write ``report`` (the ``--json`` layout of docs/replay.md) to ``path``, creating
+    its folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
 
 
 #: Prompt contiguity at or above this in every round counts as "held" in the verdict.

@@ -2,7 +2,7 @@
 
 A workload is a list of :class:`RequestSpec` grouped into rounds, plus the
 :class:`EngineSpec` (scheduler and cache settings) it is meant to run with. Nothing here
-imports vLLM; :mod:`kvpool.replay.driver` turns specs into ``vllm.v1.request.Request``
+imports vLLM; :mod:`kvpool.replay.engine` turns specs into ``vllm.v1.request.Request``
 objects one round at a time.
 
 Lengths are drawn with ``numpy.random.default_rng(seed)``, so a workload is a pure
@@ -13,11 +13,9 @@ arguments, sees the same requests.
 from __future__ import annotations
 
 import heapq
-import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -343,6 +341,32 @@ def _poisson_arrivals(
         k += 1
 
 
+class _ServingShapes:
+    """Request shapes of :func:`serving`, drawn from ``rng`` as the arrival model asks
+    for them: ``(prompt_len, output_len, prefix group or None)`` per request index."""
+
+    def __init__(self, rng: np.random.Generator, prompt_len: tuple[int, int], output_len: tuple[int, int],
+                 scale: float, prefix_groups: int, shared_fraction: float) -> None:
+        self.rng, self.prompt_len, self.output_len, self.scale = rng, prompt_len, output_len, scale
+        self.prefix_groups, self.shared_fraction = prefix_groups, shared_fraction
+        self.shapes: list[tuple[int, int, int | None]] = []
+
+    def draw(self) -> None:
+        rng = self.rng
+        plen = _uniform(rng, self.prompt_len)
+        olen = _scaled(_uniform(rng, self.output_len), self.scale)
+        group = (int(rng.integers(self.prefix_groups))
+                 if self.prefix_groups and rng.random() < self.shared_fraction else None)
+        self.shapes.append((plen, olen, group))
+
+    def residence(self, k: int) -> int:
+        """Engine steps request ``k`` stays: its output plus its prefill chunks."""
+        while len(self.shapes) <= k:
+            self.draw()
+        plen, olen, _ = self.shapes[k]
+        return olen + math.ceil(plen / SERVING_BATCHED_TOKENS)
+
+
 def serving(
     rounds: int = 12,
     window_steps: int = 1000,
@@ -376,28 +400,15 @@ def serving(
         raise ValueError(f"in_flight must be 1 <= LO <= HI, got {in_flight}")
     rng = np.random.default_rng(seed)
     group_prefix = [_uniform(rng, prefix_len) for _ in range(prefix_groups)]
-    horizon = rounds * window_steps
-    shapes: list[tuple[int, int, int | None]] = []  # (prompt_len, output_len, group)
-
-    def draw() -> None:
-        plen = _uniform(rng, prompt_len)
-        olen = _scaled(_uniform(rng, output_len), scale)
-        group = int(rng.integers(prefix_groups)) if prefix_groups and rng.random() < shared_fraction else None
-        shapes.append((plen, olen, group))
-
-    def residence(k: int) -> int:
-        while len(shapes) <= k:
-            draw()
-        plen, olen, _ = shapes[k]
-        return olen + math.ceil(plen / SERVING_BATCHED_TOKENS)
-
     mean_residence = (output_len[0] + output_len[1]) / 2 * scale + 1.5
     rate = (in_flight[0] + in_flight[1]) / 2 / mean_residence
+    shapes = _ServingShapes(rng, prompt_len, output_len, scale, prefix_groups, shared_fraction)
     # One generator for arrivals and shapes, interleaved deterministically.
-    arrivals = _poisson_arrivals(rng, rate, horizon, residence, in_flight, margin=max(1, (in_flight[1] - in_flight[0]) // 8))
+    arrivals = _poisson_arrivals(rng, rate, rounds * window_steps, shapes.residence, in_flight,
+                                 margin=max(1, (in_flight[1] - in_flight[0]) // 8))
     reqs = []
     for step, k in arrivals:
-        plen, olen, group = shapes[k]
+        plen, olen, group = shapes.shapes[k]
         reqs.append(RequestSpec(
             step // window_steps, plen, olen,
             prefix_group=None if group is None else f"s{group}",
@@ -434,105 +445,6 @@ def serving(
         continuous=True,
         window_steps=window_steps,
     )
-
-
-def from_trace(
-    path: str | Path,
-    scale: float = 1.0,
-    enable_prefix_caching: bool = True,
-    window_steps: int = 1000,
-) -> Workload:
-    """A user's workload from a JSON-lines file, one request per line::
-
-        {"round": 0, "prompt_len": 8000, "output_len": 512, "prefix_group": "q17"}
-
-    ``prompt_len`` (int >= 1) and ``output_len`` (int >= 1) are required;
-    ``prefix_group`` (str, int or null) is optional: requests with the same group (and
-    round) share prompt token ids; ``prefix_len`` (int >= 0, optional) limits the shared
-    part to that many leading tokens (a system prompt), the rest being the request's own.
-    ``arrival_step`` (int >= 0, default 0) is the engine step at which it is added.
-
-    Two kinds of trace:
-
-    - **rounds** (every line has ``round``, int >= 0): rounds run one after another,
-      each until its requests finish, ``arrival_step`` counting from the round's start
-      (the batch/RL shape).
-    - **continuous** (no line has ``round``, every line has ``arrival_step``): a serving
-      trace; requests arrive at ``arrival_step`` after the run starts and the engine
-      never drains until the end; round ``r`` is the window of steps
-      ``[r * window_steps, (r + 1) * window_steps)`` and prefix groups span the run.
-
-    Blank lines and lines starting with ``#`` are skipped; other keys are ignored.
-
-    Raises:
-        ValueError: a line is not valid JSON, a field is missing or out of range, or
-            the trace mixes lines with and without ``round`` (the message names the line).
-    """
-    if window_steps < 1:
-        raise ValueError(f"window_steps must be >= 1, got {window_steps}")
-    rows = []
-    path = Path(path)
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            obj = json.loads(line)
-            plen, olen = int(obj["prompt_len"]), int(obj["output_len"])
-            rnd = None if obj.get("round") is None else int(obj["round"])
-            group = obj.get("prefix_group")
-            has_arrival = obj.get("arrival_step") is not None
-            arrival = int(obj["arrival_step"]) if has_arrival else 0
-            prefix = None if obj.get("prefix_len") is None else int(obj["prefix_len"])
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{path}:{lineno}: bad trace line ({e!r}): {line[:120]}") from e
-        if (rnd is not None and rnd < 0) or plen < 1 or olen < 1 or arrival < 0 or (prefix is not None and prefix < 0):
-            raise ValueError(f"{path}:{lineno}: round/arrival_step/prefix_len must be >= 0, lengths >= 1")
-        if rows and (rnd is None) != (rows[0][0] is None):
-            raise ValueError(
-                f"{path}:{lineno}: the trace mixes lines with and without \"round\" "
-                "(rounds: every line has one; continuous: none has)")
-        if rnd is None and not has_arrival:
-            raise ValueError(f"{path}:{lineno}: a continuous trace (no \"round\") needs \"arrival_step\"")
-        rows.append((rnd, plen, olen, group, arrival, prefix))
-    if not rows:
-        raise ValueError(f"{path}: no requests")
-    continuous = rows[0][0] is None
-    reqs = [
-        RequestSpec(
-            arrival // window_steps if continuous else rnd,
-            plen,
-            _scaled(olen, scale),
-            prefix_group=None if group is None else str(group),
-            arrival_step=arrival,
-            prefix_len=prefix,
-        )
-        for rnd, plen, olen, group, arrival, prefix in rows
-    ]
-    if continuous:
-        engine = EngineSpec(
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=True,
-            max_num_batched_tokens=SERVING_BATCHED_TOKENS,
-        )
-        kind = f"continuous, windows of {window_steps} steps"
-    else:
-        engine = EngineSpec(enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=False)
-        kind = "rounds"
-    return Workload(
-        name="trace",
-        description=f"trace {path.name}: {len(reqs)} requests ({kind})",
-        requests=reqs,
-        engine=engine,
-        params={"trace": str(path), "scale": scale, **({"window_steps": window_steps} if continuous else {})},
-        continuous=continuous,
-        window_steps=window_steps if continuous else 0,
-    )
-
-
-def truncate_rounds(workload: Workload, rounds: int) -> Workload:
-    """The first ``rounds`` rounds of ``workload``."""
-    return replace(workload, requests=[r for r in workload.requests if r.round < rounds])
 
 
 WORKLOADS = {"grpo": grpo, "long-sequential": long_sequential, "pd-async": pd_async, "serving": serving}

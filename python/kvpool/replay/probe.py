@@ -1,0 +1,156 @@
+"""Per-round instrumentation of one scheduler instance: block tables, deferred frees,
+prefix-cache hits, evictions, preemptions (see docs/replay.md, "What is measured").
+
+Everything is hooked onto instance attributes, so kvpool's native loops (which test the
+class) keep their fast paths, and a vanilla and a kvpool scheduler are probed the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import numpy as np
+
+_thread_time = time.thread_time
+_perf_counter = time.perf_counter
+
+
+class RoundProbe:
+    """Per-round instrumentation hooked onto one scheduler instance.
+
+    Wraps ``scheduler._free_request_blocks`` (to read a finishing request's block table
+    before it is freed, and whether the free is deferred) and
+    ``scheduler._drain_deferred_frees`` (CPU time of the drain). The time spent reading
+    tables is accumulated in ``probe_cpu`` and subtracted from the scheduler's CPU time.
+
+    Counts, without changing what the pool does (instance attributes only, so kvpool's
+    fast paths, which test the class, stay on):
+
+    - prefix-cache hits: ``kv_cache_manager.record_prefix_cache_stats(request,
+      num_hits)``, the call vLLM's ``vllm:prefix_cache_hits`` counts (made at
+      admission, whether or not stats are logged);
+    - evictions: ``block_pool._emit_block_removed_events(hashes)``, called by
+      ``_maybe_evict_cached_block`` with the hashes it removed (the ``BlockRemoved``
+      events vLLM would publish with KV events on), in order;
+    - preemptions: calls to ``scheduler._preempt_request``.
+    """
+
+    def __init__(self, scheduler) -> None:
+        self.scheduler = scheduler
+        self.reset()
+        orig_free = scheduler._free_request_blocks
+        orig_drain = scheduler._drain_deferred_frees
+        kv = scheduler.kv_cache_manager
+
+        def _free_request_blocks(request):
+            t0 = _thread_time()
+            rid = request.request_id
+            table = list(kv.get_block_ids(rid)[0])
+            self.finished_tables[rid] = table
+            deferred = scheduler.defer_block_free and not scheduler._request_blocks_can_be_freed(request)
+            if deferred:
+                self.deferred_frees += 1
+                self.deferred_blocks += len(table)
+            self.probe_cpu += _thread_time() - t0
+            if not deferred:
+                orig_free(request)
+                return
+            # Deferring costs work at push time too (kvpool converts blocks to native
+            # handles there), so push + drain is the cost of one deferred free.
+            t1 = _perf_counter()
+            orig_free(request)
+            self.push_cpu += _perf_counter() - t1
+
+        def _drain_deferred_frees():
+            n0 = len(scheduler.deferred_frees)
+            # perf_counter (vDSO) rather than thread_time (a syscall on Linux): most
+            # drains take a microsecond or less, and the timer must not dominate them.
+            t0 = _perf_counter()
+            orig_drain()
+            self.drain_cpu += _perf_counter() - t0
+            self.drain_calls += 1
+            self.drained_entries += n0 - len(scheduler.deferred_frees)
+
+        scheduler._free_request_blocks = _free_request_blocks
+        scheduler._drain_deferred_frees = _drain_deferred_frees
+
+        orig_record = kv.record_prefix_cache_stats
+        lookup_enabled = kv.prefix_cache_lookup_enabled
+
+        def record_prefix_cache_stats(request, num_hits):
+            if lookup_enabled(request):
+                self.hit_tokens += num_hits
+                self.query_tokens += request.num_tokens
+            orig_record(request, num_hits)
+
+        pool = kv.block_pool
+        orig_emit = pool._emit_block_removed_events
+        evicted = self.evicted_hashes
+
+        def _emit_block_removed_events(block_hashes):
+            evicted.extend(block_hashes)
+            orig_emit(block_hashes)
+
+        orig_preempt = scheduler._preempt_request
+
+        def _preempt_request(*args, **kwargs):
+            self.preemptions += 1
+            return orig_preempt(*args, **kwargs)
+
+        kv.record_prefix_cache_stats = record_prefix_cache_stats
+        pool._emit_block_removed_events = _emit_block_removed_events
+        scheduler._preempt_request = _preempt_request
+
+    def eviction_digest(self) -> str:
+        """Hash of the evicted block hashes, in eviction order."""
+        h = hashlib.sha1()
+        for key in self.evicted_hashes:
+            h.update(key if isinstance(key, bytes) else repr(key).encode())
+        return h.hexdigest()[:16]
+
+    def reset(self) -> None:
+        self.finished_tables: dict[str, list[int]] = {}
+        self.preemptions = 0
+        self.hit_tokens = 0
+        self.query_tokens = 0
+        if hasattr(self, "evicted_hashes"):
+            self.evicted_hashes.clear()  # the wrapper holds this list
+        else:
+            self.evicted_hashes: list = []
+        self.deferred_frees = 0
+        self.deferred_blocks = 0
+        self.drain_cpu = 0.0
+        self.push_cpu = 0.0
+        self.drain_calls = 0
+        self.drained_entries = 0
+        self.probe_cpu = 0.0
+
+
+def cache_counts(probe: RoundProbe) -> dict[str, Any]:
+    """The round's prefix-cache hits, evictions and preemptions (see :class:`RoundProbe`):
+    what an allocation policy must leave exactly as vLLM has them."""
+    return {
+        "prefix_cache_hit_tokens": probe.hit_tokens,
+        "prefix_cache_query_tokens": probe.query_tokens,
+        "evictions": len(probe.evicted_hashes),
+        "eviction_digest": probe.eviction_digest(),
+        "preemptions": probe.preemptions,
+    }
+
+
+def by_request_index(tables: dict[str, list[int]]) -> list[list[int]]:
+    """Tables keyed ``"<round>-<index>"`` as a list in request index order."""
+    return [tables[rid] for rid in sorted(tables, key=lambda r: int(r.rsplit("-", 1)[1]))]
+
+
+def table_digest(prompt_tables: dict[str, list[int]], finished_tables: dict[str, list[int]]) -> str:
+    """Hash of a round's block tables keyed by request index within the round, so that
+    the same shape allocated the same way digests equally in any round and mode."""
+    h = hashlib.sha1()
+    for name, tables in (("p", prompt_tables), ("f", finished_tables)):
+        for rid in sorted(tables, key=lambda r: int(r.rsplit("-", 1)[1])):
+            h.update(f"{name}{rid.rsplit('-', 1)[1]}:".encode())
+            h.update(np.asarray(tables[rid], dtype=np.int64).tobytes())
+    return h.hexdigest()[:16]
