@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from kvpool import envs
+from kvpool._version import __version__
 from kvpool.errors import KvpoolError
 
 
@@ -154,44 +155,7 @@ def check_vllm_version(force: bool = False) -> str:
     if is_supported(version) or force or envs.get(ALLOW_UNTESTED_ENV):
         return version
     raise UnsupportedVLLMVersionError(
-        f"kvpool {_kvpool_version()} supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}; "
+        f"kvpool {__version__} supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}; "
         f"found vLLM {version}. Run `python -m kvpool conformance` against it and set "
         f"{ALLOW_UNTESTED_ENV}=1 (or install(force=True)) to try it anyway."
     )
-
-
-def _kvpool_version() -> str:
-    from kvpool import __version__
-
-    return __version__
-
-
-def describe() -> str:
-    """One paragraph for ``python -m kvpool info``."""
-    version = installed_vllm_version()
-    lines = [
-        f"kvpool {_kvpool_version()}",
-        f"vLLM installed: {version or 'no'}"
-        + ("" if version is None else (" (supported)" if is_supported(version) else " (NOT supported)")),
-        f"supported vLLM: {', '.join(SUPPORTED_VLLM_VERSIONS)}",
-    ]
-    try:
-        eps = metadata.entry_points(group="vllm.general_plugins")
-        registered = any(ep.value == "kvpool.plugin:register" for ep in eps)
-    except Exception:  # pragma: no cover - broken metadata
-        registered = False
-    lines.append(
-        "vLLM plugin entry point: "
-        + ("registered (every vLLM process installs kvpool unless KVPOOL_DISABLE is on)" if registered
-           else "NOT registered")
-    )
-    from kvpool import is_installed
-
-    lines.append(f"installed in this process: {'yes' if is_installed() else 'no'}")
-    try:
-        from kvpool import _core  # noqa: F401
-
-        lines.append("native core: built")
-    except ImportError as e:  # pragma: no cover - only on a broken install
-        lines.append(f"native core: NOT importable ({e})")
-    return "\n".join(lines)
