@@ -133,9 +133,8 @@ def _docs(layer: Layer) -> tuple[str, str]:
 
 #: Bottom up, in the order :func:`apply` patches them.
 LAYERS: tuple[Layer, ...] = (
-    Layer(
-        "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator", "pools", args="none",
-        reorder_doc="""Restore the canonical free-queue order of every pool this coordinator holds.
+    Layer("vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator", "pools", args="none",
+          reorder_doc="""Restore the canonical free-queue order of every pool this coordinator holds.
 
     All or nothing: every pool is checked before any is touched, so a refusal leaves
     all of them as they were. Prefix-cache hashes are kept (see
@@ -144,122 +143,95 @@ LAYERS: tuple[Layer, ...] = (
     Raises:
         TypeError: a pool is not kvpool's (built before ``kvpool.install()``); it has
             no native free queue to reorder.""",
-        reset_doc="""Reset each pool's prefix cache once (vLLM's ``KVCacheCoordinator.
+          reset_doc="""Reset each pool's prefix cache once (vLLM's ``KVCacheCoordinator.
     reset_prefix_cache``); with ``reorder_free_queue``, then restore every pool's
-    canonical free-queue order.""",
-    ),
-    Layer(
-        "vllm.v1.core.kv_cache_manager:KVCacheManager", "local", child="coordinator", args="none",
-        reorder_doc="""Restore the canonical free-queue order of every KV cache group's pool.
+    canonical free-queue order."""),
+    Layer("vllm.v1.core.kv_cache_manager:KVCacheManager", "local", child="coordinator", args="none",
+          reorder_doc="""Restore the canonical free-queue order of every KV cache group's pool.
 
     Same precondition as ``reset_prefix_cache``: no request may hold blocks.
     Prefix-cache hashes and stats are kept.""",
-        reset_doc="""Reset prefix cache (vLLM's ``KVCacheManager.reset_prefix_cache``: for RLHF
-    flows after a weight update, or between benchmark trials).""",
-    ),
-    Layer(
-        "vllm.v1.core.sched.interface:SchedulerInterface", "abstract",
-        reorder_doc="""Restore the canonical allocation order of the KV cache free-block queues.
+          reset_doc="""Reset prefix cache (vLLM's ``KVCacheManager.reset_prefix_cache``: for RLHF
+    flows after a weight update, or between benchmark trials)."""),
+    Layer("vllm.v1.core.sched.interface:SchedulerInterface", "abstract",
+          reorder_doc="""Restore the canonical allocation order of the KV cache free-block queues.
 
     Call between rounds (RLHF rollouts, benchmark trials), when no request holds KV
     blocks: later allocations then get contiguous block ids again.""" + _NOT_IMPLEMENTED,
-        reset_doc="""Reset the prefix cache for KV cache, e.g. after a live weight update
-    (abstract, as vLLM declares it).""",
-    ),
-    Layer(
-        "vllm.v1.core.sched.scheduler:Scheduler", "local", child="kv_cache_manager",
-        reorder_doc="""Restore the canonical allocation order of the KV cache free-block queues.
+          reset_doc="""Reset the prefix cache for KV cache, e.g. after a live weight update
+    (abstract, as vLLM declares it)."""),
+    Layer("vllm.v1.core.sched.scheduler:Scheduler", "local", child="kv_cache_manager",
+          reorder_doc="""Restore the canonical allocation order of the KV cache free-block queues.
 
     Same precondition as ``reset_prefix_cache()`` without ``reset_running_requests``:
     running requests (and frees a KV connector still defers) hold blocks, and then
     nothing changes. Prefix-cache hashes are kept.""",
-        reset_doc="""Reset the KV prefix cache (vLLM's ``Scheduler.reset_prefix_cache``): only
+          reset_doc="""Reset the KV prefix cache (vLLM's ``Scheduler.reset_prefix_cache``): only
     while no running request holds KV blocks, unless ``reset_running_requests``
     preempts them into the waiting queue first.
 
     Raises:
         RuntimeError: as vLLM, when the reset fails although running requests
-            were preempted.""",
-    ),
-    Layer(
-        "vllm.v1.engine.core:EngineCore", "child", child="scheduler", args="positional",
-        reorder_doc="""Restore the canonical free-block-queue order of the scheduler's KV pools.
+            were preempted."""),
+    Layer("vllm.v1.engine.core:EngineCore", "child", child="scheduler", args="positional",
+          reorder_doc="""Restore the canonical free-block-queue order of the scheduler's KV pools.
 
     Reached from the multi-process clients through ``call_utility(
     "reset_free_block_queue_order")``; runs in the busy loop between steps.""",
-        reset_doc="""vLLM's ``EngineCore.reset_prefix_cache`` plus ``reorder_free_queue``.
+          reset_doc="""vLLM's ``EngineCore.reset_prefix_cache`` plus ``reorder_free_queue``.
 
     The flag is positional here because utility calls carry positional args; the
     clients send it only when it is True, so vLLM's own two-argument call (and a
-    scheduler that predates the flag) is unchanged.""",
-    ),
+    scheduler that predates the flag) is unchanged."""),
     # Clients. The data-parallel async clients override neither reset method in
     # vLLM 0.30.0–0.33.0 and inherit AsyncMPClient's.
-    Layer(
-        "vllm.v1.engine.core_client:EngineCoreClient", "abstract",
-        reorder_doc="Restore the canonical free-block-queue order in the engine core." + _NOT_IMPLEMENTED,
-        reset_doc="""Reset the prefix cache; with ``reorder_free_queue``, then restore the canonical
-    free-block-queue order.""" + _NOT_IMPLEMENTED,
-    ),
-    Layer(
-        "vllm.v1.engine.core_client:EngineCoreClient", "abstract", is_async=True, suffix="_async",
-        reorder_doc="Async ``reset_free_block_queue_order()``." + _NOT_IMPLEMENTED,
-        reset_doc="Async ``reset_prefix_cache()``." + _NOT_IMPLEMENTED,
-    ),
-    Layer(
-        "vllm.v1.engine.core_client:InprocClient", "child", child="engine_core",
-        reorder_doc="Restore the canonical free-block-queue order of the in-process engine core.",
-        reset_doc="vLLM's ``InprocClient.reset_prefix_cache`` plus ``reorder_free_queue``.",
-    ),
-    Layer(
-        "vllm.v1.engine.core_client:SyncMPClient", "utility",
-        reorder_doc="""Restore the canonical free-block-queue order in the engine-core process
+    Layer("vllm.v1.engine.core_client:EngineCoreClient", "abstract",
+          reorder_doc="Restore the canonical free-block-queue order in the engine core." + _NOT_IMPLEMENTED,
+          reset_doc="""Reset the prefix cache; with ``reorder_free_queue``, then restore the canonical
+    free-block-queue order.""" + _NOT_IMPLEMENTED),
+    Layer("vllm.v1.engine.core_client:EngineCoreClient", "abstract", is_async=True, suffix="_async",
+          reorder_doc="Async ``reset_free_block_queue_order()``." + _NOT_IMPLEMENTED,
+          reset_doc="Async ``reset_prefix_cache()``." + _NOT_IMPLEMENTED),
+    Layer("vllm.v1.engine.core_client:InprocClient", "child", child="engine_core",
+          reorder_doc="Restore the canonical free-block-queue order of the in-process engine core.",
+          reset_doc="vLLM's ``InprocClient.reset_prefix_cache`` plus ``reorder_free_queue``."),
+    Layer("vllm.v1.engine.core_client:SyncMPClient", "utility",
+          reorder_doc="""Restore the canonical free-block-queue order in the engine-core process
     (``call_utility("reset_free_block_queue_order")``).
 
     Raises:
         Exception: the engine core failed the call (vLLM raises the failure message
             it sends back), e.g. kvpool is not active in the engine-core process.""",
-        reset_doc="""vLLM's ``SyncMPClient.reset_prefix_cache`` plus ``reorder_free_queue``,
-    sent as a third ``call_utility`` argument only when True.""",
-    ),
-    Layer(
-        "vllm.v1.engine.core_client:AsyncMPClient", "every_engine", is_async=True, suffix="_async",
-        reorder_doc="""Restore the canonical free-block-queue order in every engine-core process
+          reset_doc="""vLLM's ``SyncMPClient.reset_prefix_cache`` plus ``reorder_free_queue``,
+    sent as a third ``call_utility`` argument only when True."""),
+    Layer("vllm.v1.engine.core_client:AsyncMPClient", "every_engine", is_async=True, suffix="_async",
+          reorder_doc="""Restore the canonical free-block-queue order in every engine-core process
     this client manages (``call_utility_all_async``, as ``reset_prefix_cache_async``);
     each data-parallel engine decides on its own, True only if every engine reordered.""",
-        reset_doc="""vLLM's ``AsyncMPClient.reset_prefix_cache_async`` plus
-    ``reorder_free_queue``, sent as a third utility argument only when True.""",
-    ),
+          reset_doc="""vLLM's ``AsyncMPClient.reset_prefix_cache_async`` plus
+    ``reorder_free_queue``, sent as a third utility argument only when True."""),
     # Front ends.
-    Layer(
-        "vllm.v1.engine.llm_engine:LLMEngine", "child", child="engine_core",
-        reorder_doc="""Restore the canonical allocation order of the KV cache free-block queues
+    Layer("vllm.v1.engine.llm_engine:LLMEngine", "child", child="engine_core",
+          reorder_doc="""Restore the canonical allocation order of the KV cache free-block queues
     (RFC vLLM #40244, Option A). Call when no request is running.""",
-        reset_doc="Reset the prefix cache (vLLM's ``LLMEngine.reset_prefix_cache``).",
-    ),
-    Layer(
-        "vllm.v1.engine.async_llm:AsyncLLM", "child", child="engine_core", is_async=True, child_suffix="_async",
-        reorder_doc="""Restore the canonical allocation order of the KV cache free-block queues in
+          reset_doc="Reset the prefix cache (vLLM's ``LLMEngine.reset_prefix_cache``)."),
+    Layer("vllm.v1.engine.async_llm:AsyncLLM", "child", child="engine_core", is_async=True, child_suffix="_async",
+          reorder_doc="""Restore the canonical allocation order of the KV cache free-block queues in
     every engine (RFC vLLM #40244, Option A). Call when no request is running.""",
-        reset_doc="Reset the prefix cache (vLLM's ``AsyncLLM.reset_prefix_cache``).",
-    ),
-    Layer(
-        "vllm.entrypoints.llm:LLM", "child", child="llm_engine",
-        reorder_doc="""Restore the canonical allocation order of the KV cache free-block queues.
+          reset_doc="Reset the prefix cache (vLLM's ``AsyncLLM.reset_prefix_cache``)."),
+    Layer("vllm.entrypoints.llm:LLM", "child", child="llm_engine",
+          reorder_doc="""Restore the canonical allocation order of the KV cache free-block queues.
 
     Long-lived sessions scramble the free-block queue, so later prompts get
     scattered block ids and attention kernels lose locality in prefill (RFC vLLM
     #40244). Call between rounds, after ``generate()`` returned; typically right
     after ``reset_prefix_cache()``, or use ``reset_prefix_cache(reorder_free_queue=
     True)`` for both at once. Prefix-cache hashes are kept.""",
-        reset_doc="Reset the prefix cache (vLLM's ``LLM.reset_prefix_cache``).",
-    ),
-    Layer(
-        "vllm.engine.protocol:EngineClient", "abstract", is_async=True,
-        reorder_doc="Restore the canonical free-block-queue order of the KV cache (kvpool)." + _NOT_IMPLEMENTED,
-        reset_doc="""Reset the prefix cache and optionally any configured connector cache;
-    ``reorder_free_queue`` also restores the free-block-queue order (kvpool).""",
-    ),
+          reset_doc="Reset the prefix cache (vLLM's ``LLM.reset_prefix_cache``)."),
+    Layer("vllm.engine.protocol:EngineClient", "abstract", is_async=True,
+          reorder_doc="Restore the canonical free-block-queue order of the KV cache (kvpool)." + _NOT_IMPLEMENTED,
+          reset_doc="""Reset the prefix cache and optionally any configured connector cache;
+    ``reorder_free_queue`` also restores the free-block-queue order (kvpool)."""),
 )
 
 
