@@ -1,8 +1,8 @@
 """Everything kvpool knows about particular vLLM versions, in one place.
 
 Supporting a new vLLM version is one diff here: a row in :data:`VLLM_RELEASES` (what
-differs from its neighbours, read from the release itself), a pin file
-``requirements/vllm-X.txt`` for its environment, and, once
+differs from its neighbours that kvpool's code acts on, read from the release itself), a
+pin file ``requirements/vllm-X.txt`` for its environment, and, once
 ``python -m kvpool conformance --vllm-version X`` reports zero regressions, the
 version in :data:`SUPPORTED_VLLM_VERSIONS`.
 """
@@ -19,52 +19,40 @@ from kvpool.errors import KvpoolError
 
 @dataclass(frozen=True)
 class VllmRelease:
-    """What one vLLM release does differently where kvpool binds in.
+    """What one vLLM release does differently that kvpool's code acts on.
 
-    Everything not named here is the same in every release of the table (read from
-    the released wheels side by side: ``KVCacheBlock``, the ``FreeKVCacheBlockQueue``
-    API, ``BlockHashToBlockMap``, ``get_new_blocks``, ``unpin_blocks``,
-    ``evict_blocks``, ``reset_prefix_cache``, the coordinator's ``free`` /
-    ``pop_blocks_for_free``, the scheduler's deferred-free fields and helpers, and the
-    per-group deferred-order bug kvpool fixes).
+    Everything not named here is the same in every release of the table for kvpool's
+    purposes (read from the released wheels side by side: ``KVCacheBlock``, the
+    ``FreeKVCacheBlockQueue`` API, ``BlockHashToBlockMap``, ``get_new_blocks``,
+    ``unpin_blocks``, ``evict_blocks``, ``reset_prefix_cache``, the coordinator's
+    ``free`` / ``pop_blocks_for_free``, the scheduler's deferred-free fields and
+    helpers, and the per-group deferred-order bug kvpool fixes). The differences that
+    need no code of kvpool's (``num_hash_lookahead_tokens``, the null block's
+    ``ref_cnt`` up to 0.32.0, ``_reset_caches`` raising from 0.31.0,
+    ``Scheduler.deferred_loads`` in 0.33.0) are in docs/conformance.md, "vLLM
+    releases".
 
     Attributes:
         version: the release, ``"0.33.0"``.
-        hash_lookahead: ``BlockPool.__init__`` takes ``num_hash_lookahead_tokens``
-            (before ``medium``) and KV events carry look-ahead tokens. kvpool's pool
-            accepts the argument on every release and stores it; releases without it
-            never pass it.
-        null_block_ref_counted: ``BlockPool.touch`` / ``free_blocks`` add to / take
-            from the null block's ``ref_cnt`` and only skip its free-queue operation
-            (<= 0.32.0); from 0.33.0 they skip the null block entirely and
-            ``pop_blocks_for_free`` trims leading null blocks (``trim_null_head``).
         all_engine_utility_call: ``AsyncMPClient.call_utility_all_async`` exists and
             ``reset_prefix_cache_async`` resets every data-parallel engine (>= 0.32.0).
             Before, vLLM's reset reaches one engine (all with the load-balancing
-            client); kvpool's reorder then sends its call to every engine itself.
-        reset_caches_raises: ``EngineCore._reset_caches`` (pause with
-            ``clear_cache=True``) raises when the prefix-cache reset fails (>= 0.31.0);
-            0.30.0 ignores the failure, with and without kvpool.
-        deferred_loads: ``Scheduler.deferred_loads`` shares the deferred-free fences
-            (0.33.0); kvpool's fenced queue leaves it to vLLM.
+            client); kvpool's reorder then sends its call to every engine itself
+            (``kvpool.engine_api``).
     """
 
     version: str
-    hash_lookahead: bool
-    null_block_ref_counted: bool
     all_engine_utility_call: bool
-    reset_caches_raises: bool
-    deferred_loads: bool
 
 
 #: The releases kvpool knows, oldest first: its test matrix.
 VLLM_RELEASES: dict[str, VllmRelease] = {
     r.version: r
     for r in (
-        VllmRelease("0.30.0", False, True, False, False, False),
-        VllmRelease("0.31.0", False, True, False, True, False),
-        VllmRelease("0.32.0", False, True, True, True, False),
-        VllmRelease("0.33.0", True, False, True, True, True),
+        VllmRelease("0.30.0", all_engine_utility_call=False),
+        VllmRelease("0.31.0", all_engine_utility_call=False),
+        VllmRelease("0.32.0", all_engine_utility_call=True),
+        VllmRelease("0.33.0", all_engine_utility_call=True),
     )
 }
 
