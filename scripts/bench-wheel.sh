@@ -9,9 +9,7 @@
 # Writes .ci-out/bench-{source,wheel}-N.json and prints both builds' ratios side by side
 # (benchmarks/compare_builds.py; exit 1 if the wheel's median ratio is more than 10% below
 # the source build's in a targeted group).
-set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$here"
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 rounds="${1:-3}"
 py="${PYTHON:-python3}"
 bash scripts/bootstrap.sh

@@ -32,9 +32,7 @@
 # Each interpreter and architecture builds in its own folder, build/wheel-<tag>[-<arch>]
 # (tools in build/wheel-<tag>/tools); the first build for an architecture also compiles
 # Zig's libc++ for it (about 2 minutes on 2 cores, then cached).
-set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$here"
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 archs="${KVPOOL_WHEEL_ARCHS:-x86_64 aarch64}"
 for arch in $archs; do
   case "$arch" in x86_64|aarch64) ;; *) echo "build-wheel: unknown architecture $arch (x86_64, aarch64)" >&2; exit 2;; esac

@@ -12,8 +12,7 @@
 #
 #   bash scripts/locality-gpu.sh                 # JSON, table and PNG under $OUT (or /tmp/kvpool-locality)
 #   bash scripts/locality-gpu.sh --layers 4      # any `python -m kvpool locality` flag
-set -euo pipefail
-cd "$(dirname "$0")/.."
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 PY=${PYTHON:-python3}
 DEST=${OUT:-/tmp/kvpool-locality}
 mkdir -p "$DEST"

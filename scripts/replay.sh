@@ -2,9 +2,7 @@
 # The main job: replay a workload through vLLM 0.33.0's real scheduler, vanilla vs
 # kvpool vs kvpool+reorder side by side. Creates .venv first if needed.
 # Arguments go to `python -m kvpool replay` (default: the RFC's GRPO workload).
-set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$here/scripts/bootstrap.sh"
-cd "$here"
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+bash scripts/bootstrap.sh
 export VLLM_TARGET_DEVICE=cpu
 exec .venv/bin/python -m kvpool replay "$@"

@@ -26,9 +26,7 @@
 #            engine-core process) and vLLM 0.33.0's tests/v1/core and KV connector tests,
 #            vanilla vs kvpool (`python -m kvpool conformance`, zero regressions).
 # The environment lives in the chroot (/opt/kvpool-venv, /opt/kvpool-venv-smoke).
-set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$here"
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 usage="usage: scripts/test-arch.sh aarch64 [--smoke] [3.11|3.13|3.14] [pytest args]"
 arch="${1:?$usage}"
 shift
@@ -109,18 +107,7 @@ if [ ! -x "$root/usr/bin/$py" ]; then
   debootstrap --arch=arm64 --variant=minbase --include="$py,$py-venv,ca-certificates" \
     "$suite" "$root" http://deb.debian.org/debian
 fi
-# Behind a TLS-intercepting proxy only the host's CA bundle verifies PyPI.
-cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
-cp /etc/resolv.conf "$root/etc/resolv.conf"
-mkdir -p "$root$here" "$root/proc" "$root/dev"
-mount --bind "$here" "$root$here"
-mount -t proc proc "$root/proc"
-mount --bind /dev "$root/dev"
-trap 'umount "$root/dev" "$root/proc" "$root$here"' EXIT
-in_chroot() {
-  chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 "$@"
-}
+chroot_mount "$root"
 
 # 4. The C++ core's unit tests, for aarch64.
 zig="$(ls -d build/wheel-"$tag"*/tools/lib/python*/site-packages/ziglang/zig 2>/dev/null | head -1)"
@@ -129,7 +116,7 @@ if [ -n "$zig" ]; then
   mkdir -p build/test-arch
   "$zig" c++ -target aarch64-linux-gnu.2.28 -std=c++17 -O2 -Wall -Wextra -Werror -I cpp \
     cpp/tests/test_core.cpp cpp/free_block_list.cpp cpp/fenced_free_queue.cpp -o build/test-arch/test_core-aarch64
-  out="$(in_chroot "$here/build/test-arch/test_core-aarch64")"
+  out="$(in_chroot "$root" "$here/build/test-arch/test_core-aarch64")"
   echo "$out" | tail -1
   echo "$out" | grep -q "all checks passed" || { echo "test-arch: the C++ core tests did not pass" >&2; exit 1; }
 else
@@ -139,5 +126,5 @@ fi
 
 # 5. The rest inside the chroot.
 args=("$arch"); [ "$smoke" = 1 ] && args+=(--smoke); args+=("$ver" "$@")
-in_chroot KVPOOL_IN_CHROOT=1 KVPOOL_ARCH_WHEEL="$wheel" bash "$here/scripts/test-arch.sh" "${args[@]}"
+in_chroot "$root" KVPOOL_IN_CHROOT=1 KVPOOL_ARCH_WHEEL="$wheel" bash "$here/scripts/test-arch.sh" "${args[@]}"
 step "done"

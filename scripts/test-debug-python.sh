@@ -13,9 +13,7 @@
 # references (it is not built with Py_REF_DEBUG); kvpool's extension is rebuilt here
 # against the debug headers, so every reference it takes or drops is counted.
 # Details and results: docs/native-checks.md.
-set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$here"
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 short=0
 [ "${1:-}" = "--short" ] && short=1
 export VLLM_TARGET_DEVICE=cpu
@@ -25,7 +23,7 @@ if ! command -v python3.11-dbg >/dev/null; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq python3.11-dbg >/dev/null
 fi
-[ -x .venv/bin/python ] || bash scripts/bootstrap.sh
+ensure_dev_venv
 
 release_site="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 if [ ! -x .venv-dbg/bin/python ]; then
@@ -56,9 +54,8 @@ PY
 
 py=.venv-dbg/bin/python
 if [ "$short" = 1 ]; then
-  "$py" -m pytest -q -p no:cacheprovider -s tests/test_leak_check.py \
-    tests/test_hot_paths.py tests/test_block_pool.py tests/test_free_block_queue.py tests/test_bad_input.py \
-    tests/test_policy_differential.py tests/test_hostile.py tests/test_fault_injection.py
+  # The test files marked `debug` (pyproject.toml).
+  "$py" -m pytest -q -p no:cacheprovider -s -m debug tests
 else
   "$py" -m pytest -q -p no:cacheprovider -s tests/test_leak_check.py
   "$py" -m pytest -q -p no:cacheprovider tests --deselect tests/test_leak_check.py

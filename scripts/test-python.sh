@@ -26,9 +26,7 @@
 # connector tests) run vanilla vs kvpool against the installed wheel
 # (`python -m kvpool conformance`; fails on any regression). KVPOOL_PY_CONFORMANCE=0
 # skips them.
-set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$here"
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 ver="${1:?usage: scripts/test-python.sh 3.11|3.12|3.13|3.14 [pytest args]}"
 shift
 py="python$ver"
@@ -56,16 +54,8 @@ if [ -z "${KVPOOL_IN_CHROOT:-}" ] && [ "$route" = chroot ]; then
     debootstrap --variant=minbase --include="$py,$py-venv,$py-dev,g++,make,ca-certificates" \
       "$suite" "$root" http://deb.debian.org/debian
   fi
-  # Behind a TLS-intercepting proxy only the host's CA bundle verifies PyPI.
-  cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
-  cp /etc/resolv.conf "$root/etc/resolv.conf"
-  mkdir -p "$root$here" "$root/proc" "$root/dev"
-  mount --bind "$here" "$root$here"
-  mount -t proc proc "$root/proc"
-  mount --bind /dev "$root/dev"
-  trap 'umount "$root/dev" "$root/proc" "$root$here"' EXIT
-  chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 \
-    KVPOOL_IN_CHROOT=1 KVPOOL_PY_VENV=/opt/kvpool-venv PIP_DISABLE_PIP_VERSION_CHECK=1 \
+  chroot_mount "$root"
+  in_chroot "$root" KVPOOL_IN_CHROOT=1 KVPOOL_PY_VENV=/opt/kvpool-venv \
     KVPOOL_BUILD_SUFFIX="-$suite" bash "$here/scripts/test-python.sh" "$ver" "$@"
   exit
 fi

@@ -10,13 +10,11 @@
 # .venv-asan reuses .venv's packages (same interpreter, a .pth line to .venv's
 # site-packages); only kvpool is rebuilt, into .venv-asan. Run settings and what they
 # do and do not catch: docs/native-checks.md.
-set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$here"
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 short=0
 [ "${1:-}" = "--short" ] && short=1
 export VLLM_TARGET_DEVICE=cpu
-[ -x .venv/bin/python ] || bash scripts/bootstrap.sh
+ensure_dev_venv
 
 base_python="$(.venv/bin/python -c 'import sys; print(sys._base_executable)')"
 release_site="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
@@ -49,17 +47,14 @@ export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:strict_init
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
 py=.venv-asan/bin/python
 "$py" -c 'import kvpool._core as c, sys; print("sanitizer build:", c.__file__)'
+# The test files marked `sanitizer` (pyproject.toml); of those, the long random-operation
+# runs are also marked `slow`.
 if [ "$short" = 1 ]; then
   KVPOOL_DIFF_OPS=20000 KVPOOL_LEAK_OPS=20000 KVPOOL_POLICY_DIFF_OPS=20000 "$py" -m pytest -q -p no:cacheprovider -s \
-    tests/test_long_differential.py tests/test_leak_check.py tests/test_policy_differential.py \
-    tests/test_hot_paths.py tests/test_block_pool.py tests/test_free_block_queue.py \
-    tests/test_bad_input.py tests/test_deferred_free.py tests/test_hostile.py tests/test_fault_injection.py
+    -m sanitizer tests
 else
   KVPOOL_DIFF_OPS=100000 KVPOOL_LEAK_OPS=100000 KVPOOL_POLICY_DIFF_OPS=100000 "$py" -m pytest -q -p no:cacheprovider -s \
-    tests/test_long_differential.py tests/test_leak_check.py tests/test_policy_differential.py \
-    tests/test_fault_injection.py
-  "$py" -m pytest -q -p no:cacheprovider tests \
-    --deselect tests/test_long_differential.py --deselect tests/test_leak_check.py \
-    --deselect tests/test_policy_differential.py --deselect tests/test_fault_injection.py
+    -m "sanitizer and slow" tests
+  "$py" -m pytest -q -p no:cacheprovider -m "not (sanitizer and slow)" tests
 fi
 echo "sanitizers: no ASan/UBSan report (a report aborts the run)"

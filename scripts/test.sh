@@ -4,10 +4,8 @@
 # benchmarks/ratios.py; never an absolute time), the conformance run of vLLM's
 # own test suite with and without kvpool (fails on any regression), and the short
 # forms of the debug-interpreter and sanitizer runs (docs/native-checks.md).
-set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$here/scripts/bootstrap.sh"
-cd "$here"
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+bash scripts/bootstrap.sh
 export VLLM_TARGET_DEVICE=cpu
 mkdir -p .ci-out
 py=.venv/bin/python

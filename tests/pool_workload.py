@@ -106,12 +106,7 @@ class KvpoolSide:
         self.deferred = FencedDeferredFreeQueue()
 
     def push_deferred(self, fence_seq: int, groups: list[list]) -> None:
-        if hasattr(self.deferred, "push_groups"):
-            self.deferred.push_groups(fence_seq, groups)
-        else:  # before push_groups: one entry per group, same fence, drained in order
-            for group in groups:
-                if group:
-                    self.deferred.push(fence_seq, group)
+        self.deferred.push_groups(fence_seq, groups)
 
     def free_ready(self, processed_step_seq: int) -> int:
         return self.deferred.free_ready(processed_step_seq, self.pool)

@@ -10,6 +10,9 @@ import pytest
 from kvpool import BlockIdOutOfRangeError, BlockStateError, FencedDeferredFreeQueue, FreeKVCacheBlockQueue, KVCacheBlock
 from kvpool.block_pool import BlockPool
 
+# The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
+pytestmark = [pytest.mark.sanitizer, pytest.mark.debug]
+
 
 def free_ids(pool):
     return pool.free_block_queue.free_block_ids()
@@ -500,7 +503,7 @@ def test_a_refused_unpin_changes_no_ref_cnt_and_no_watcher():
 def test_unpin_with_a_watcher_key_whose_eq_runs_python_code_changes_no_block():
     # A key in the watcher table whose hash equals a block id: registering a watcher
     # calls its __eq__. Once, that ran after the blocks were decremented (a re-free
-    # there linked a slot twice: SIGSEGV), and an exception from it skipped the undo.
+    # there linked a block index twice: SIGSEGV), and an exception from it skipped the undo.
     pool = BlockPool(16, True, 16)
     blocks = pool.get_new_blocks(4)  # ids 1..4
 

@@ -13,6 +13,9 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from kvpool import BlockIdOutOfRangeError, BlockStateError, KVCacheBlock
 from kvpool.block_pool import BlockPool
 
+# The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
+pytestmark = [pytest.mark.sanitizer, pytest.mark.debug]
+
 
 def order(pool):
     return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]

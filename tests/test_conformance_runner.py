@@ -386,17 +386,30 @@ def test_parse_project_page_reads_pep691_json_with_relative_urls():
     assert files == [sdist.SdistFile("vllm-0.33.0.tar.gz", "https://idx.example/files/vllm-0.33.0.tar.gz", "ab" * 32)]
 
 
-def test_index_url_honours_pip_index_url_then_pip_config(monkeypatch):
+def test_index_url_is_pips_own_choice_unless_given(monkeypatch, tmp_path):
+    # pip resolves it in the environment's interpreter: its variables, its config
+    # files, its default; kvpool names no index of its own.
     monkeypatch.delenv("KVPOOL_INDEX_URL", raising=False)
-    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
-    monkeypatch.setattr(sdist, "_pip_config", lambda: {"global.index-url": "https://mirror.example/simple"})
+    for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"):
+        monkeypatch.delenv(name, raising=False)
+    config = tmp_path / "pip.conf"
+    config.write_text("[global]\nindex-url = https://mirror.example/simple\n"
+                      "extra-index-url = https://extra.example/simple\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(config))
+    assert sdist.index_urls() == ["https://mirror.example/simple/", "https://extra.example/simple/"]
     monkeypatch.setenv("PIP_INDEX_URL", "https://env.example/simple")
     assert sdist.index_urls()[0] == "https://env.example/simple/"
-    monkeypatch.delenv("PIP_INDEX_URL")
-    assert sdist.index_urls()[0] == "https://mirror.example/simple/"
-    monkeypatch.setattr(sdist, "_pip_config", lambda: {})
-    assert sdist.index_urls() == [sdist.DEFAULT_INDEX_URL]
     assert sdist.index_urls("https://cli.example/simple")[0] == "https://cli.example/simple/"
+    monkeypatch.setenv("KVPOOL_INDEX_URL", "https://kvpool.example/simple")
+    assert sdist.index_urls()[0] == "https://kvpool.example/simple/"
+    monkeypatch.delenv("KVPOOL_INDEX_URL")
+    monkeypatch.delenv("PIP_INDEX_URL")
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    # pip's own default, asked in a child (importing pip here loads the stdlib's
+    # distutils, which setuptools' import hook then refuses in later tests).
+    default = subprocess.run([sys.executable, "-c", "from pip._internal.models.index import PyPI; "
+                              "print(PyPI.simple_url)"], capture_output=True, text=True, check=True).stdout.strip()
+    assert sdist.index_urls() == [default.rstrip("/") + "/"]
 
 
 def test_extract_tests_takes_only_tests_and_pyproject(tmp_path):

@@ -12,6 +12,9 @@ from kvpool.block_pool import BlockPool
 from vllm.v1.request import RequestStatus
 from vllm_helpers import block_ids, eviction_order, make_request, make_scheduler
 
+# The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
+pytestmark = [pytest.mark.sanitizer]
+
 
 def _two_group_eviction_order(deferred: bool) -> tuple[list[int], list[list[int]]]:
     """Free one request of a full-attention + sliding-window scheduler, immediately

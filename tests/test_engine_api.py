@@ -884,3 +884,19 @@ def test_uninstall_removes_the_api_and_restores_vllm_methods():
     finally:
         assert patching.install() is True
     assert REORDER in sync[-1].__dict__
+
+
+def test_help_shows_each_layers_own_docstring_on_the_vllm_class():
+    import pydoc
+
+    from kvpool.engine_api import LAYERS, _owner
+
+    for layer in LAYERS:
+        owner = _owner(layer.owner)
+        names = (REORDER + layer.suffix, "reset_prefix_cache" + layer.suffix)
+        for name, doc in zip(names, (layer.reorder_doc, layer.reset_doc)):
+            method = owner.__dict__[name]
+            assert method.__qualname__ == f"{owner.__qualname__}.{name}"
+            shown = pydoc.render_doc(method, renderer=pydoc.plaintext)
+            assert inspect.cleandoc(doc).splitlines()[0] in shown, (owner, name)
+            assert "Returns:" in shown, (owner, name)

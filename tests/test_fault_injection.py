@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+# The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
+pytestmark = [pytest.mark.sanitizer, pytest.mark.debug, pytest.mark.slow]
+
 HERE = Path(__file__).parent
 SHIM = HERE / "native" / "failmalloc.cpp"
 DEFERRED = HERE / "native" / "deferred_fault.py"

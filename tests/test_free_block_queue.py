@@ -10,6 +10,9 @@ from vllm.v1.core import kv_cache_utils as vllm_utils
 
 from kvpool import BlockStateError, FreeKVCacheBlockQueue, KVCacheBlock
 
+# The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
+pytestmark = [pytest.mark.sanitizer, pytest.mark.debug]
+
 N = 24
 
 

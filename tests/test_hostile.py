@@ -21,6 +21,9 @@ from kvpool._core import FencedDeferredFreeQueue, FreeKVCacheBlockQueue, KVCache
 from kvpool.block_pool import BlockPool, NotAKvpoolPoolError, VllmBlockPool
 from tests.vllm_helpers import make_request, make_scheduler, runner_output
 
+# The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
+pytestmark = [pytest.mark.sanitizer, pytest.mark.debug]
+
 
 # -- user code inside a native loop ------------------------------------------------------
 @pytest.mark.usefixtures("installed")

@@ -16,6 +16,9 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from kvpool import BlockStateError, FencedDeferredFreeQueue, FreeKVCacheBlockQueue
 from kvpool.block_pool import BlockPool
 
+# The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
+pytestmark = [pytest.mark.sanitizer, pytest.mark.debug]
+
 # Ints whose reference counts the loops batch (0..7), recognise by address (8..256)
 # or treat as ordinary objects (300).
 VALUES = (0, 1, 2, 3, 7, 8, 9, 255, 256, 300)

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 import kvpool
+from kvpool import info as kvpool_info
 from kvpool import patching, vllm_compat
 
 
@@ -92,7 +93,7 @@ def test_unsupported_vllm_version_is_refused_naming_the_supported_ones(monkeypat
         kvpool.install()
     assert f"supports vLLM {SUPPORTED_NAMED}; found vLLM {version}" in str(excinfo.value)
     assert not kvpool.is_installed()
-    info = vllm_compat.describe()
+    info = kvpool_info.describe()
     assert f"vLLM installed: {version} (NOT supported)" in info
     assert f"supported vLLM: {SUPPORTED_NAMED}" in info
     monkeypatch.setenv(vllm_compat.ALLOW_UNTESTED_ENV, "1")

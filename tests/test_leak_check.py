@@ -30,6 +30,9 @@ from kvpool import FencedDeferredFreeQueue, FreeKVCacheBlockQueue, KVCacheBlock
 from kvpool._core import BlockTable
 from pool_workload import KvpoolSide, PoolWorkload
 
+# The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
+pytestmark = [pytest.mark.sanitizer, pytest.mark.debug, pytest.mark.slow]
+
 NUM_OPS = int(os.environ.get("KVPOOL_LEAK_OPS", "100000"))
 SEED = int(os.environ.get("KVPOOL_LEAK_SEED", "11"))
 TRACKED_TYPES = (KVCacheBlock, FreeKVCacheBlockQueue, BlockTable, FencedDeferredFreeQueue)

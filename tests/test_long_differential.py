@@ -23,6 +23,9 @@ import pytest
 
 from pool_workload import KvpoolSide, PoolWorkload, VllmSide
 
+# The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
+pytestmark = [pytest.mark.sanitizer, pytest.mark.slow]
+
 NUM_OPS = int(os.environ.get("KVPOOL_DIFF_OPS", "10000"))
 SEED = int(os.environ.get("KVPOOL_DIFF_SEED", "20261130"))
 

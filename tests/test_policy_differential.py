@@ -34,6 +34,9 @@ from kvpool import allocation
 from kvpool.block_pool import BlockPool
 from pool_workload import KvpoolSide, PoolWorkload, VllmSide
 
+# The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
+pytestmark = [pytest.mark.sanitizer, pytest.mark.debug, pytest.mark.slow]
+
 NUM_OPS = int(os.environ.get("KVPOOL_POLICY_DIFF_OPS", "20000"))
 SEED = int(os.environ.get("KVPOOL_DIFF_SEED", "20261130"))
 

@@ -10,7 +10,7 @@ The extension types (``KVCacheBlock``, ``FreeKVCacheBlockQueue``) need neither t
 nor vLLM; ``BlockPool`` and ``install()`` import vLLM when first used.
 """
 
-__version__ = "0.1.0"
+from kvpool._version import __version__
 
 __all__ = [
     "BlockIdOutOfRangeError",

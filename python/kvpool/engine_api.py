@@ -3,7 +3,7 @@
 kvpool's :class:`~kvpool.block_pool.BlockPool` offers both shapes the RFC proposes:
 ``reset_free_block_queue_order()`` (Option A) and
 ``reset_prefix_cache(reorder_free_queue=True)`` (Option B). This module plumbs them
-through the chain vLLM 0.33.0 already uses for ``reset_prefix_cache``::
+through the chain that vLLM 0.30.0–0.33.0 use for ``reset_prefix_cache``::
 
     LLM / LLMEngine / AsyncLLM (and the EngineClient protocol the HTTP server calls)
       └── EngineCoreClient: InprocClient (direct call),
@@ -15,28 +15,23 @@ through the chain vLLM 0.33.0 already uses for ``reset_prefix_cache``::
                         └── KVCacheManager
                               └── KVCacheCoordinator: every distinct BlockPool
 
-plus ``POST /reset_free_block_queue_order`` and a ``reorder_free_queue`` query parameter
-on ``POST /reset_prefix_cache`` among vLLM's dev-mode routes (``VLLM_SERVER_DEV_MODE=1``).
+one row of :data:`LAYERS` per class, plus ``POST /reset_free_block_queue_order`` and a
+``reorder_free_queue`` query parameter on ``POST /reset_prefix_cache`` among vLLM's
+dev-mode routes (``VLLM_SERVER_DEV_MODE=1``).
 
-Conventions, the same at every layer:
-
-* ``reset_free_block_queue_order()`` returns True when every pool below was reordered,
-  False (with a warning in the engine-core process) while any block other than a
-  pool's null block is in use; then nothing is reordered anywhere.
-* ``reset_prefix_cache(..., reorder_free_queue=False)`` keeps vLLM's parameters and
-  defaults. The flag is keyword-only, except on ``EngineCore``, which receives it
-  positionally from ``call_utility``. With the flag off each layer runs vLLM's own
-  method unchanged, so a default call, and an engine core without kvpool, behave as in
-  vLLM. With it on, the layer resets the prefix cache as vLLM does and, only if that
-  returned True, reorders every pool.
-* ``KVPOOL_REORDER_ON_RESET=1`` is read by each pool in the engine-core process at
-  every reset; every path here ends in the pools' own ``reset_prefix_cache``, so the
-  switch holds whichever layer is called.
-
-The engine-core process gets these methods from the same ``install()``: vLLM loads
-``vllm.general_plugins`` at the top of ``EngineCore.__init__``, before the scheduler
-exists and before any utility call is read, and the utility dispatch looks methods
-up on the instance, so a method set on the class is found.
+At every layer ``reset_free_block_queue_order()`` returns True when every pool below
+was reordered, False (with a warning in the engine-core process) while any block other
+than a pool's null block is in use, and then nothing is reordered anywhere.
+``reset_prefix_cache(..., reorder_free_queue=False)`` keeps vLLM's parameters and
+defaults; the flag is keyword-only, except on ``EngineCore``, which receives it
+positionally from ``call_utility``. With the flag off each layer runs vLLM's own method
+unchanged, so a default call, and an engine core without kvpool, behave as in vLLM; with
+it on, the prefix cache is reset as vLLM does and, only if that returned True, every pool
+reordered. ``KVPOOL_REORDER_ON_RESET=1`` is read by each pool at every reset, and every
+path here ends in the pools' own ``reset_prefix_cache``, so it holds whichever layer is
+called. The engine-core process gets these methods from the same ``install()``: vLLM
+loads ``vllm.general_plugins`` at the top of ``EngineCore.__init__``, and the utility
+dispatch looks methods up on the instance, so a method set on the class is found.
 
 Every change goes through :class:`kvpool.patching.Patcher`; ``kvpool.uninstall()``
 removes the added methods and puts vLLM's back.
@@ -44,10 +39,13 @@ removes the added methods and puts vLLM's back.
 
 # No ``from __future__ import annotations``: FastAPI reads the route handlers'
 # annotations (``Request``, imported inside build_dev_cache_router) as objects.
+import importlib
 import logging
-import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+from kvpool.vllm_compat import MissingPatchTargetError, release_traits
 
 logger = logging.getLogger("vllm.kvpool")
 
@@ -59,40 +57,192 @@ _ALL_ENGINE_UTILITY_CALL = True
 REORDER_ROUTE = "/reset_free_block_queue_order"
 RESET_ROUTE = "/reset_prefix_cache"
 
+REORDER = "reset_free_block_queue_order"
+RESET = "reset_prefix_cache"
 
-def _named(fn: Callable, owner: type, name: str) -> Callable:
-    """A copy of ``fn`` named as a method of ``owner``, so tracebacks and ``help()``
-    name the vLLM class it lives on (the module-level original stays as it is).
 
-    No ``__wrapped__``: vLLM's utility dispatch reads ``inspect.signature(method)``,
-    which would follow it to vLLM's signature.
+@dataclass(frozen=True)
+class Layer:
+    """One vLLM class and the two methods kvpool gives it: ``reset_free_block_queue_order``
+    and ``reset_prefix_cache`` with the ``reorder_free_queue`` flag.
+
+    Attributes:
+        owner: the class, ``"module:QualName"``.
+        fan_out: how both reach the layer below: ``"pools"`` (every pool of the
+            coordinator, all or nothing) or ``"local"`` (``child``'s reorder): the reset
+            is vLLM's, then this layer's reorder; ``"child"``: both call ``child``'s,
+            with ``reorder_free_queue=True``; ``"utility"``: engine-core utility calls,
+            the flag a third argument sent only when True; ``"every_engine"``: the same
+            to every engine-core process, True only if all returned True;
+            ``"abstract"``: the reorder raises ``NotImplementedError``, the reset runs
+            vLLM's own (abstract) body.
+        reorder_doc, reset_doc: what ``help()`` shows, without the Args and Returns
+            sections every layer shares (:func:`_docs` adds them).
+        child: the attribute holding the layer below.
+        args: ``reset_prefix_cache``'s parameters before the flag: ``"none"``,
+            ``"keyword"`` (vLLM's two; the flag keyword-only) or ``"positional"`` (the
+            flag third, as ``call_utility`` sends it).
+        is_async: both are coroutine functions. suffix / child_suffix: appended to the
+            method names here / to those called on ``child``.
     """
-    method = types.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-    method.__kwdefaults__ = fn.__kwdefaults__
-    method.__doc__ = fn.__doc__
-    method.__annotations__ = fn.__annotations__
-    method.__dict__.update(fn.__dict__)  # __isabstractmethod__
-    method.__qualname__ = f"{owner.__qualname__}.{name}"
-    return method
+
+    owner: str
+    fan_out: str
+    reorder_doc: str
+    reset_doc: str
+    child: str = ""
+    args: str = "keyword"
+    is_async: bool = False
+    suffix: str = ""
+    child_suffix: str = ""
 
 
-def _vllm_method(owner: type, name: str) -> Callable:
-    fn = owner.__dict__.get(name)
-    if fn is None:
-        from kvpool.vllm_compat import MissingPatchTargetError
+_REORDER_RETURNS = """
+    Returns:
+        True if every pool below was reordered; False, with a warning in the
+        engine-core process, while requests hold KV blocks (nothing changes then)."""
+_RESET_ARGS = """
+    Args:
+        reset_running_requests: preempt running requests first (vLLM's).
+        reset_connector: also reset the KV connector's cache (vLLM's)."""
+_FLAG_ARG = """
+        reorder_free_queue: after a successful reset, also restore the canonical
+            free-block-queue order, as ``reset_free_block_queue_order()`` (RFC vLLM
+            #40244, Option B)."""
+_RESET_RETURNS = """
+    Returns:
+        True if the reset (and, with the flag, the reorder) succeeded (in every
+        engine, on a client of several)."""
+_NOT_IMPLEMENTED = """
 
-        raise MissingPatchTargetError(f"{owner.__module__}.{owner.__qualname__} defines no {name}() to extend")
-    return fn
+    Raises:
+        NotImplementedError: this class does not implement it (kvpool provides it
+            for vLLM's own subclasses)."""
 
 
-# -- KVCacheCoordinator ------------------------------------------------------------------
+def _docs(layer: Layer) -> tuple[str, str]:
+    """The two docstrings of ``layer``: its text with the shared Args and Returns
+    sections inserted before its own Raises section, if any."""
+    args = ("\n    Args:" if layer.args == "none" else _RESET_ARGS) + _FLAG_ARG
+    docs = []
+    for doc, sections in ((layer.reorder_doc, _REORDER_RETURNS), (layer.reset_doc, args + "\n" + _RESET_RETURNS)):
+        text, raises, rest = doc.partition("\n\n    Raises:")
+        docs.append(text + "\n" + sections + raises + rest)
+    return docs[0], docs[1]
+
+
+#: Bottom up, in the order :func:`apply` patches them.
+LAYERS: tuple[Layer, ...] = (
+    Layer("vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator", "pools", args="none",
+          reorder_doc="""Restore the canonical free-queue order of every pool this coordinator holds.
+
+    All or nothing: every pool is checked before any is touched, so a refusal leaves
+    all of them as they were. Prefix-cache hashes are kept (see
+    ``BlockPool.reset_free_block_queue_order``).
+
+    Raises:
+        TypeError: a pool is not kvpool's (built before ``kvpool.install()``); it has
+            no native free queue to reorder.""",
+          reset_doc="""Reset each pool's prefix cache once (vLLM's ``KVCacheCoordinator.
+    reset_prefix_cache``); with ``reorder_free_queue``, then restore every pool's
+    canonical free-queue order."""),
+    Layer("vllm.v1.core.kv_cache_manager:KVCacheManager", "local", child="coordinator", args="none",
+          reorder_doc="""Restore the canonical free-queue order of every KV cache group's pool.
+
+    Same precondition as ``reset_prefix_cache``: no request may hold blocks.
+    Prefix-cache hashes and stats are kept.""",
+          reset_doc="""Reset prefix cache (vLLM's ``KVCacheManager.reset_prefix_cache``: for RLHF
+    flows after a weight update, or between benchmark trials)."""),
+    Layer("vllm.v1.core.sched.interface:SchedulerInterface", "abstract",
+          reorder_doc="""Restore the canonical allocation order of the KV cache free-block queues.
+
+    Call between rounds (RLHF rollouts, benchmark trials), when no request holds KV
+    blocks: later allocations then get contiguous block ids again.""" + _NOT_IMPLEMENTED,
+          reset_doc="""Reset the prefix cache for KV cache, e.g. after a live weight update
+    (abstract, as vLLM declares it)."""),
+    Layer("vllm.v1.core.sched.scheduler:Scheduler", "local", child="kv_cache_manager",
+          reorder_doc="""Restore the canonical allocation order of the KV cache free-block queues.
+
+    Same precondition as ``reset_prefix_cache()`` without ``reset_running_requests``:
+    running requests (and frees a KV connector still defers) hold blocks, and then
+    nothing changes. Prefix-cache hashes are kept.""",
+          reset_doc="""Reset the KV prefix cache (vLLM's ``Scheduler.reset_prefix_cache``): only
+    while no running request holds KV blocks, unless ``reset_running_requests``
+    preempts them into the waiting queue first.
+
+    Raises:
+        RuntimeError: as vLLM, when the reset fails although running requests
+            were preempted."""),
+    Layer("vllm.v1.engine.core:EngineCore", "child", child="scheduler", args="positional",
+          reorder_doc="""Restore the canonical free-block-queue order of the scheduler's KV pools.
+
+    Reached from the multi-process clients through ``call_utility(
+    "reset_free_block_queue_order")``; runs in the busy loop between steps.""",
+          reset_doc="""vLLM's ``EngineCore.reset_prefix_cache`` plus ``reorder_free_queue``.
+
+    The flag is positional here because utility calls carry positional args; the
+    clients send it only when it is True, so vLLM's own two-argument call (and a
+    scheduler that predates the flag) is unchanged."""),
+    # Clients. The data-parallel async clients override neither reset method in
+    # vLLM 0.30.0–0.33.0 and inherit AsyncMPClient's.
+    Layer("vllm.v1.engine.core_client:EngineCoreClient", "abstract",
+          reorder_doc="Restore the canonical free-block-queue order in the engine core." + _NOT_IMPLEMENTED,
+          reset_doc="""Reset the prefix cache; with ``reorder_free_queue``, then restore the canonical
+    free-block-queue order.""" + _NOT_IMPLEMENTED),
+    Layer("vllm.v1.engine.core_client:EngineCoreClient", "abstract", is_async=True, suffix="_async",
+          reorder_doc="Async ``reset_free_block_queue_order()``." + _NOT_IMPLEMENTED,
+          reset_doc="Async ``reset_prefix_cache()``." + _NOT_IMPLEMENTED),
+    Layer("vllm.v1.engine.core_client:InprocClient", "child", child="engine_core",
+          reorder_doc="Restore the canonical free-block-queue order of the in-process engine core.",
+          reset_doc="vLLM's ``InprocClient.reset_prefix_cache`` plus ``reorder_free_queue``."),
+    Layer("vllm.v1.engine.core_client:SyncMPClient", "utility",
+          reorder_doc="""Restore the canonical free-block-queue order in the engine-core process
+    (``call_utility("reset_free_block_queue_order")``).
+
+    Raises:
+        Exception: the engine core failed the call (vLLM raises the failure message
+            it sends back), e.g. kvpool is not active in the engine-core process.""",
+          reset_doc="""vLLM's ``SyncMPClient.reset_prefix_cache`` plus ``reorder_free_queue``,
+    sent as a third ``call_utility`` argument only when True."""),
+    Layer("vllm.v1.engine.core_client:AsyncMPClient", "every_engine", is_async=True, suffix="_async",
+          reorder_doc="""Restore the canonical free-block-queue order in every engine-core process
+    this client manages (``call_utility_all_async``, as ``reset_prefix_cache_async``);
+    each data-parallel engine decides on its own, True only if every engine reordered.""",
+          reset_doc="""vLLM's ``AsyncMPClient.reset_prefix_cache_async`` plus
+    ``reorder_free_queue``, sent as a third utility argument only when True."""),
+    # Front ends.
+    Layer("vllm.v1.engine.llm_engine:LLMEngine", "child", child="engine_core",
+          reorder_doc="""Restore the canonical allocation order of the KV cache free-block queues
+    (RFC vLLM #40244, Option A). Call when no request is running.""",
+          reset_doc="Reset the prefix cache (vLLM's ``LLMEngine.reset_prefix_cache``)."),
+    Layer("vllm.v1.engine.async_llm:AsyncLLM", "child", child="engine_core", is_async=True, child_suffix="_async",
+          reorder_doc="""Restore the canonical allocation order of the KV cache free-block queues in
+    every engine (RFC vLLM #40244, Option A). Call when no request is running.""",
+          reset_doc="Reset the prefix cache (vLLM's ``AsyncLLM.reset_prefix_cache``)."),
+    Layer("vllm.entrypoints.llm:LLM", "child", child="llm_engine",
+          reorder_doc="""Restore the canonical allocation order of the KV cache free-block queues.
+
+    Long-lived sessions scramble the free-block queue, so later prompts get
+    scattered block ids and attention kernels lose locality in prefill (RFC vLLM
+    #40244). Call between rounds, after ``generate()`` returned; typically right
+    after ``reset_prefix_cache()``, or use ``reset_prefix_cache(reorder_free_queue=
+    True)`` for both at once. Prefix-cache hashes are kept.""",
+          reset_doc="Reset the prefix cache (vLLM's ``LLM.reset_prefix_cache``)."),
+    Layer("vllm.engine.protocol:EngineClient", "abstract", is_async=True,
+          reorder_doc="Restore the canonical free-block-queue order of the KV cache (kvpool)." + _NOT_IMPLEMENTED,
+          reset_doc="""Reset the prefix cache and optionally any configured connector cache;
+    ``reorder_free_queue`` also restores the free-block-queue order (kvpool)."""),
+)
+
+
+# -- KVCacheCoordinator: the pools -------------------------------------------------------
 def coordinator_block_pools(coordinator: Any) -> list[Any]:
     """The distinct ``BlockPool`` objects a ``KVCacheCoordinator`` allocates from.
 
-    In vLLM 0.33.0 the coordinator builds one pool that all its single-type managers
-    share (unitary and full + sliding-window hybrids alike); a HiSparse source group
-    replaces its manager's pool by a private host pool (``bind_host_pool``), so a
-    coordinator can hold two. This is the set ``KVCacheCoordinator.reset_prefix_cache``
+    In vLLM 0.30.0–0.33.0 the coordinator builds one pool that all its single-type
+    managers share (unitary and full + sliding-window hybrids alike); in 0.33.0 a
+    HiSparse source group replaces its manager's pool by a private host pool
+    (``bind_host_pool``), so a coordinator can hold two. This is the set ``KVCacheCoordinator.reset_prefix_cache``
     resets, plus ``coordinator.block_pool`` itself.
 
     Returns:
@@ -102,22 +252,8 @@ def coordinator_block_pools(coordinator: Any) -> list[Any]:
     return list(pools)
 
 
-def _coordinator_reset_free_block_queue_order(self) -> bool:
-    """Restore the canonical free-queue order of every pool this coordinator holds.
-
-    All or nothing: every pool is checked before any is touched, so a refusal leaves
-    all of them as they were. Prefix-cache hashes are kept (see
-    ``BlockPool.reset_free_block_queue_order``).
-
-    Returns:
-        True if every pool was reordered; False, with a warning, while any pool has a
-        block other than its null block in use.
-
-    Raises:
-        TypeError: a pool is not kvpool's (built before ``kvpool.install()``); it has
-            no native free queue to reorder.
-    """
-    pools = coordinator_block_pools(self)
+def _reorder_pools(coordinator: Any) -> bool:
+    pools = coordinator_block_pools(coordinator)
     foreign = [type(p).__qualname__ for p in pools if not hasattr(p, "reset_free_block_queue_order")]
     if foreign:
         raise TypeError(
@@ -137,446 +273,98 @@ def _coordinator_reset_free_block_queue_order(self) -> bool:
     return all([p.reset_free_block_queue_order() for p in pools])
 
 
-def _coordinator_reset_prefix_cache(vllm_reset: Callable) -> Callable:
-    def reset_prefix_cache(self, *, reorder_free_queue: bool = False) -> bool:
-        """Reset each pool's prefix cache once (vLLM's ``KVCacheCoordinator.
-        reset_prefix_cache``); with ``reorder_free_queue``, then restore every pool's
-        canonical free-queue order.
-
-        Returns:
-            True if every pool was reset (and, with the flag, reordered).
-        """
-        ok = vllm_reset(self)
-        if ok and reorder_free_queue:
-            ok = self.reset_free_block_queue_order()
-        return ok
-
-    return reset_prefix_cache
-
-
-# -- KVCacheManager ----------------------------------------------------------------------
-def _manager_reset_free_block_queue_order(self) -> bool:
-    """Restore the canonical free-queue order of every KV cache group's pool.
-
-    Mirrors ``KVCacheManager.reset_prefix_cache`` (vLLM 0.33.0): same precondition, no
-    request may hold blocks. Prefix-cache hashes and stats are kept.
-
-    Returns:
-        True if every pool was reordered, False while any block is in use.
-    """
-    return self.coordinator.reset_free_block_queue_order()
-
-
-def _manager_reset_prefix_cache(vllm_reset: Callable) -> Callable:
-    def reset_prefix_cache(self, *, reorder_free_queue: bool = False) -> bool:
-        """Reset prefix cache (vLLM's ``KVCacheManager.reset_prefix_cache``: for RLHF
-        flows after a weight update, or between benchmark trials).
-
-        Args:
-            reorder_free_queue: after a successful reset, also restore every pool's
-                canonical free-queue order (RFC vLLM #40244, Option B).
-
-        Returns:
-            bool: True if the prefix cache is successfully reset (and, with the flag,
-            the free queues reordered), False otherwise.
-        """
-        ok = vllm_reset(self)
-        if ok and reorder_free_queue:
-            ok = self.reset_free_block_queue_order()
-        return ok
-
-    return reset_prefix_cache
-
-
-# -- SchedulerInterface / Scheduler ------------------------------------------------------
-def _interface_reset_free_block_queue_order(self) -> bool:
-    """Restore the canonical allocation order of the KV cache free-block queues.
-
-    Call between rounds (RLHF rollouts, benchmark trials), when no request holds KV
-    blocks: later allocations then get contiguous block ids again.
-
-    Returns:
-        True if the order was restored, False while requests hold KV blocks.
-
-    Raises:
-        NotImplementedError: this scheduler does not implement it (kvpool provides it
-            for vLLM's ``Scheduler`` and its subclasses).
-    """
-    raise NotImplementedError
-
-
-def _interface_reset_prefix_cache(
-    self,
-    reset_running_requests: bool = False,
-    reset_connector: bool = False,
-    *,
-    reorder_free_queue: bool = False,
-) -> bool:
-    """Reset the prefix cache for KV cache.
-
-    This is particularly required when the model weights are live-updated.
-
-    Args:
-        reset_running_requests: If True, all the running requests will be
-            preempted and moved to the waiting queue. Otherwise, this method
-            will only reset the KV prefix cache when there is no running request
-            taking KV cache.
-        reset_connector: If True, also reset any KV connector state.
-        reorder_free_queue: after a successful reset, also restore the canonical
-            free-block-queue order (kvpool; RFC vLLM #40244, Option B).
-    """
-    raise NotImplementedError
-
-
-_interface_reset_prefix_cache.__isabstractmethod__ = True  # as vLLM declares it
-
-
-def _scheduler_reset_free_block_queue_order(self) -> bool:
-    """Restore the canonical allocation order of the KV cache free-block queues.
-
-    Same precondition as ``reset_prefix_cache()`` without ``reset_running_requests``:
-    running requests (and frees a KV connector still defers) hold blocks, and then
-    nothing changes. Prefix-cache hashes are kept.
-
-    Returns:
-        True if every pool was reordered, False (with a warning) otherwise.
-    """
-    return self.kv_cache_manager.reset_free_block_queue_order()
-
-
-def _scheduler_reset_prefix_cache(vllm_reset: Callable) -> Callable:
-    def reset_prefix_cache(
-        self,
-        reset_running_requests: bool = False,
-        reset_connector: bool = False,
-        *,
-        reorder_free_queue: bool = False,
-    ) -> bool:
-        """Reset the KV prefix cache (vLLM 0.33.0 ``Scheduler.reset_prefix_cache``).
-
-        If reset_running_requests is True, all the running requests will be
-        preempted and moved to the waiting queue. Otherwise, this method will only
-        reset the KV prefix cache when there is no running requests taking KV cache.
-
-        Args:
-            reset_running_requests: preempt running requests first.
-            reset_connector: also reset the KV connector's cache.
-            reorder_free_queue: if the reset returned True, also restore the
-                canonical free-block-queue order (RFC vLLM #40244, Option B).
-
-        Returns:
-            True if the reset (and, with the flag, the reorder) succeeded.
-
-        Raises:
-            RuntimeError: as vLLM, when the reset fails although running requests
-                were preempted.
-        """
-        ok = vllm_reset(self, reset_running_requests, reset_connector)
-        if ok and reorder_free_queue:
-            ok = self.reset_free_block_queue_order()
-        return ok
-
-    return reset_prefix_cache
-
-
-# -- EngineCore --------------------------------------------------------------------------
-def _engine_core_reset_free_block_queue_order(self) -> bool:
-    """Restore the canonical free-block-queue order of the scheduler's KV pools.
-
-    Reached from the multi-process clients through ``call_utility(
-    "reset_free_block_queue_order")``; runs in the busy loop between steps.
-
-    Returns:
-        True if every pool was reordered, False while requests hold KV blocks.
-    """
-    return self.scheduler.reset_free_block_queue_order()
-
-
-def _engine_core_reset_prefix_cache(vllm_reset: Callable) -> Callable:
-    def reset_prefix_cache(
-        self,
-        reset_running_requests: bool = False,
-        reset_connector: bool = False,
-        reorder_free_queue: bool = False,
-    ) -> bool:
-        """vLLM's ``EngineCore.reset_prefix_cache`` plus ``reorder_free_queue``.
-
-        The flag is positional here because utility calls carry positional args; the
-        clients send it only when it is True, so vLLM's own two-argument call (and a
-        scheduler that predates the flag) is unchanged.
-
-        Returns:
-            True if the reset (and, with the flag, the reorder) succeeded.
-        """
-        if not reorder_free_queue:
-            return vllm_reset(self, reset_running_requests, reset_connector)
-        return self.scheduler.reset_prefix_cache(reset_running_requests, reset_connector, reorder_free_queue=True)
-
-    return reset_prefix_cache
-
-
-# -- EngineCoreClient variants -----------------------------------------------------------
-def _client_reset_free_block_queue_order(self) -> bool:
-    """Restore the canonical free-block-queue order in the engine core.
-
-    Returns:
-        True if every pool was reordered, False while requests hold KV blocks.
-    """
-    raise NotImplementedError
-
-
-async def _client_reset_free_block_queue_order_async(self) -> bool:
-    """Async ``reset_free_block_queue_order()``.
-
-    Returns:
-        True if every pool of every engine was reordered.
-    """
-    raise NotImplementedError
-
-
-def _client_reset_prefix_cache(
-    self, reset_running_requests: bool = False, reset_connector: bool = False, *, reorder_free_queue: bool = False
-) -> bool:
-    """Reset the prefix cache; with ``reorder_free_queue``, then restore the canonical
-    free-block-queue order."""
-    raise NotImplementedError
-
-
-async def _client_reset_prefix_cache_async(
-    self, reset_running_requests: bool = False, reset_connector: bool = False, *, reorder_free_queue: bool = False
-) -> bool:
-    """Async ``reset_prefix_cache()``."""
-    raise NotImplementedError
-
-
-def _inproc_reset_free_block_queue_order(self) -> bool:
-    """Restore the canonical free-block-queue order of the in-process engine core.
-
-    Returns:
-        True if every pool was reordered, False while requests hold KV blocks.
-    """
-    return self.engine_core.reset_free_block_queue_order()
-
-
-def _inproc_reset_prefix_cache(vllm_reset: Callable) -> Callable:
-    def reset_prefix_cache(
-        self, reset_running_requests: bool = False, reset_connector: bool = False, *, reorder_free_queue: bool = False
-    ) -> bool:
-        """vLLM's ``InprocClient.reset_prefix_cache`` plus ``reorder_free_queue``.
-
-        Returns:
-            True if the reset (and, with the flag, the reorder) succeeded.
-        """
-        if not reorder_free_queue:
-            return vllm_reset(self, reset_running_requests, reset_connector)
-        return self.engine_core.reset_prefix_cache(reset_running_requests, reset_connector, True)
-
-    return reset_prefix_cache
-
-
-def _sync_mp_reset_free_block_queue_order(self) -> bool:
-    """Restore the canonical free-block-queue order in the engine-core process
-    (``call_utility("reset_free_block_queue_order")``).
-
-    Returns:
-        True if every pool was reordered, False while requests hold KV blocks.
-
-    Raises:
-        Exception: the engine core failed the call (vLLM raises the failure message
-            it sends back), e.g. kvpool is not active in the engine-core process.
-    """
-    return self.call_utility("reset_free_block_queue_order")
-
-
-def _sync_mp_reset_prefix_cache(vllm_reset: Callable) -> Callable:
-    def reset_prefix_cache(
-        self, reset_running_requests: bool = False, reset_connector: bool = False, *, reorder_free_queue: bool = False
-    ) -> bool:
-        """vLLM's ``SyncMPClient.reset_prefix_cache`` plus ``reorder_free_queue``,
-        sent as a third ``call_utility`` argument only when True.
-
-        Returns:
-            True if the reset (and, with the flag, the reorder) succeeded.
-        """
-        if not reorder_free_queue:
-            return vllm_reset(self, reset_running_requests, reset_connector)
-        return self.call_utility("reset_prefix_cache", reset_running_requests, reset_connector, True)
-
-    return reset_prefix_cache
-
-
-async def _call_every_engine(client: Any, method: str, *args: Any) -> list[Any]:
-    """One utility call per engine-core process ``client`` manages, one result each.
-
-    vLLM >= 0.32.0 has this as ``AsyncMPClient.call_utility_all_async``; before, its
-    ``reset_prefix_cache_async`` reached one engine (``call_utility_async``), so kvpool
-    fans out over ``client.core_engines`` itself, as ``call_utility_all_async`` does
-    (``kvpool.vllm_compat.VllmRelease.all_engine_utility_call``).
+async def _every_engine(client: Any, method: str, *args: Any) -> bool:
+    """One utility call per engine-core process ``client`` manages; True only if every
+    engine returned True.
+
+    vLLM >= 0.32.0 has the fan-out as ``AsyncMPClient.call_utility_all_async``; before,
+    its ``reset_prefix_cache_async`` reached one engine (``call_utility_async``), so
+    kvpool fans out over ``client.core_engines`` itself, as ``call_utility_all_async``
+    does (``kvpool.vllm_compat.VllmRelease.all_engine_utility_call``).
     """
     if _ALL_ENGINE_UTILITY_CALL:
-        return await client.call_utility_all_async(method, *args)
+        return all(await client.call_utility_all_async(method, *args))
     import asyncio
 
-    return list(
-        await asyncio.gather(*[client._call_utility_async(method, *args, engine=e) for e in client.core_engines])
-    )
+    calls = [client._call_utility_async(method, *args, engine=e) for e in client.core_engines]
+    return all(await asyncio.gather(*calls))
 
 
-async def _async_mp_reset_free_block_queue_order_async(self) -> bool:
-    """Restore the canonical free-block-queue order in every engine-core process
-    this client manages (``call_utility_all_async``, as ``reset_prefix_cache_async``).
-
-    Each data-parallel engine decides on its own; the result is True only if every
-    engine reordered.
-
-    Returns:
-        True if every pool of every engine was reordered.
-    """
-    return all(await _call_every_engine(self, "reset_free_block_queue_order"))
-
-
-def _async_mp_reset_prefix_cache_async(vllm_reset: Callable) -> Callable:
-    async def reset_prefix_cache_async(
-        self, reset_running_requests: bool = False, reset_connector: bool = False, *, reorder_free_queue: bool = False
-    ) -> bool:
-        """vLLM's ``AsyncMPClient.reset_prefix_cache_async`` plus
-        ``reorder_free_queue``, sent as a third utility argument only when True.
-
-        Returns:
-            True if every engine reset (and, with the flag, reordered).
-        """
-        if not reorder_free_queue:
-            return await vllm_reset(self, reset_running_requests, reset_connector)
-        return all(
-            await _call_every_engine(self, "reset_prefix_cache", reset_running_requests, reset_connector, True)
-        )
-
-    return reset_prefix_cache_async
-
-
-# -- LLMEngine / AsyncLLM / LLM / EngineClient -------------------------------------------
-def _llm_engine_reset_free_block_queue_order(self) -> bool:
-    """Restore the canonical allocation order of the KV cache free-block queues
-    (RFC vLLM #40244, Option A). Call when no request is running.
-
-    Returns:
-        True if the order was restored, False while requests hold KV blocks.
-    """
-    return self.engine_core.reset_free_block_queue_order()
-
-
-def _llm_engine_reset_prefix_cache(vllm_reset: Callable) -> Callable:
-    def reset_prefix_cache(
-        self, reset_running_requests: bool = False, reset_connector: bool = False, *, reorder_free_queue: bool = False
-    ) -> bool:
-        """Reset the prefix cache (vLLM's ``LLMEngine.reset_prefix_cache``).
-
-        Args:
-            reorder_free_queue: after a successful reset, also restore the canonical
-                free-block-queue order (RFC vLLM #40244, Option B).
-
-        Returns:
-            True if the reset (and, with the flag, the reorder) succeeded.
-        """
-        if not reorder_free_queue:
-            return vllm_reset(self, reset_running_requests, reset_connector)
-        return self.engine_core.reset_prefix_cache(reset_running_requests, reset_connector, reorder_free_queue=True)
-
-    return reset_prefix_cache
-
-
-async def _async_llm_reset_free_block_queue_order(self) -> bool:
-    """Restore the canonical allocation order of the KV cache free-block queues in
-    every engine (RFC vLLM #40244, Option A). Call when no request is running.
-
-    Returns:
-        True if every engine restored it, False while requests hold KV blocks.
-    """
-    return await self.engine_core.reset_free_block_queue_order_async()
-
-
-def _async_llm_reset_prefix_cache(vllm_reset: Callable) -> Callable:
-    async def reset_prefix_cache(
-        self, reset_running_requests: bool = False, reset_connector: bool = False, *, reorder_free_queue: bool = False
-    ) -> bool:
-        """Reset the prefix cache (vLLM's ``AsyncLLM.reset_prefix_cache``).
-
-        Args:
-            reorder_free_queue: after a successful reset, also restore the canonical
-                free-block-queue order (RFC vLLM #40244, Option B).
-
-        Returns:
-            True if every engine reset (and, with the flag, reordered).
-        """
-        if not reorder_free_queue:
-            return await vllm_reset(self, reset_running_requests, reset_connector)
-        return await self.engine_core.reset_prefix_cache_async(
-            reset_running_requests, reset_connector, reorder_free_queue=True
-        )
-
-    return reset_prefix_cache
-
-
-def _llm_reset_free_block_queue_order(self) -> bool:
-    """Restore the canonical allocation order of the KV cache free-block queues.
-
-    Long-lived sessions scramble the free-block queue, so later prompts get
-    scattered block ids and attention kernels lose locality in prefill (RFC vLLM
-    #40244). Call between rounds, after ``generate()`` returned; typically right
-    after ``reset_prefix_cache()``, or use ``reset_prefix_cache(reorder_free_queue=
-    True)`` for both at once. Prefix-cache hashes are kept.
-
-    Returns:
-        True if the order was restored, False (and a warning in the engine-core
-        log) while requests hold KV blocks; nothing changes then.
-    """
-    return self.llm_engine.reset_free_block_queue_order()
-
-
-def _llm_reset_prefix_cache(vllm_reset: Callable) -> Callable:
-    def reset_prefix_cache(
-        self, reset_running_requests: bool = False, reset_connector: bool = False, *, reorder_free_queue: bool = False
-    ) -> bool:
-        """Reset the prefix cache (vLLM's ``LLM.reset_prefix_cache``).
-
-        Args:
-            reset_running_requests: preempt running requests first.
-            reset_connector: also reset the KV connector's cache.
-            reorder_free_queue: after a successful reset, also restore the canonical
-                free-block-queue order, as ``reset_free_block_queue_order()`` (RFC
-                vLLM #40244, Option B).
-
-        Returns:
-            True if the reset (and, with the flag, the reorder) succeeded.
-        """
-        if not reorder_free_queue:
-            return vllm_reset(self, reset_running_requests, reset_connector)
-        return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector, reorder_free_queue=True)
-
-    return reset_prefix_cache
-
-
-async def _engine_client_reset_free_block_queue_order(self) -> bool:
-    """Restore the canonical free-block-queue order of the KV cache (kvpool).
-
-    Returns:
-        True if the order was restored, False while requests hold KV blocks.
-
-    Raises:
-        NotImplementedError: this engine client does not implement it.
-    """
+def _not_implemented(self: Any, *args: Any) -> Any:
     raise NotImplementedError
 
 
-async def _engine_client_reset_prefix_cache(
-    self, reset_running_requests: bool = False, reset_connector: bool = False, *, reorder_free_queue: bool = False
-) -> bool:
-    """Reset the prefix cache and optionally any configured connector cache;
-    ``reorder_free_queue`` also restores the free-block-queue order (kvpool)."""
-    ...
+# -- one layer's two methods -------------------------------------------------------------
+def _fan_out(layer: Layer, vllm_reset: Callable) -> tuple[Callable, Callable]:
+    """``(reorder(self), reset_on(self, *vllm_args))``: how ``layer`` reorders, and how
+    it resets with the flag on; either may return an awaitable on an async layer."""
+    own_reorder = REORDER + layer.suffix
+    reorder_below = REORDER + layer.child_suffix
+    reset_below = RESET + layer.child_suffix
+    child_reorder = lambda self: getattr(getattr(self, layer.child), reorder_below)()  # noqa: E731
+    if layer.fan_out in ("pools", "local"):
+        # Below the engine core the reset runs here, then this layer's own reorder.
+        return (_reorder_pools if layer.fan_out == "pools" else child_reorder,
+                lambda self, *a: vllm_reset(self, *a) and getattr(self, own_reorder)())
+    if layer.fan_out == "child":
+        return child_reorder, lambda self, *a: getattr(getattr(self, layer.child), reset_below)(
+            *a, reorder_free_queue=True)
+    if layer.fan_out == "utility":
+        return lambda self: self.call_utility(REORDER), lambda self, *a: self.call_utility(RESET, *a, True)
+    if layer.fan_out == "every_engine":
+        return lambda self: _every_engine(self, REORDER), lambda self, *a: _every_engine(self, RESET, *a, True)
+    assert layer.fan_out == "abstract", layer
+    return _not_implemented, vllm_reset
 
 
-_engine_client_reset_prefix_cache.__isabstractmethod__ = True  # as vLLM declares it
+def _methods(layer: Layer, owner: type) -> dict[str, Callable]:
+    """The two methods of ``layer`` on ``owner`` by name, vLLM's reset extended."""
+    reset_name = RESET + layer.suffix
+    vllm_reset = owner.__dict__.get(reset_name)
+    if vllm_reset is None:
+        if layer.fan_out != "abstract":
+            raise MissingPatchTargetError(
+                f"{owner.__module__}.{owner.__qualname__} defines no {reset_name}() to extend")
+        vllm_reset = _not_implemented
+    reorder, reset_on = _fan_out(layer, vllm_reset)
+
+    if layer.is_async:
+        async def reorder_method(self) -> bool:
+            return await reorder(self)
+
+        async def reset_method(
+            self, reset_running_requests: bool = False, reset_connector: bool = False, *,
+            reorder_free_queue: bool = False
+        ) -> bool:
+            return await (reset_on if reorder_free_queue else vllm_reset)(self, reset_running_requests, reset_connector)
+    else:
+        def reorder_method(self) -> bool:
+            return reorder(self)
+
+        if layer.args == "none":
+            def reset_method(self, *, reorder_free_queue: bool = False) -> bool:
+                return (reset_on if reorder_free_queue else vllm_reset)(self)
+        elif layer.args == "positional":
+            def reset_method(
+                self, reset_running_requests: bool = False, reset_connector: bool = False,
+                reorder_free_queue: bool = False
+            ) -> bool:
+                return (reset_on if reorder_free_queue else vllm_reset)(self, reset_running_requests, reset_connector)
+        else:
+            def reset_method(
+                self, reset_running_requests: bool = False, reset_connector: bool = False, *,
+                reorder_free_queue: bool = False
+            ) -> bool:
+                return (reset_on if reorder_free_queue else vllm_reset)(self, reset_running_requests, reset_connector)
+
+    methods = dict(zip((REORDER + layer.suffix, reset_name), zip((reorder_method, reset_method), _docs(layer))))
+    for name, (fn, doc) in methods.items():
+        # Named as methods of the vLLM class, so tracebacks and help() name where they
+        # live. No __wrapped__: vLLM's utility dispatch reads inspect.signature(method).
+        fn.__name__, fn.__qualname__, fn.__doc__ = name, f"{owner.__qualname__}.{name}", doc
+    if getattr(vllm_reset, "__isabstractmethod__", False):
+        reset_method.__isabstractmethod__ = True  # as vLLM declares it
+    return {name: fn for name, (fn, _) in methods.items()}
 
 
 # -- dev-mode HTTP routes ----------------------------------------------------------------
@@ -671,73 +459,30 @@ def _patch_dev_cache_router(patcher: Any) -> None:
 
 
 # -- apply -------------------------------------------------------------------------------
+def _owner(path: str) -> type:
+    module, _, qualname = path.partition(":")
+    return getattr(importlib.import_module(module), qualname)
+
+
 def apply(patcher: Any) -> None:
-    """Add the reorder API at every layer of vLLM 0.33.0 (see the module docstring).
+    """Add the reorder API at every layer of :data:`LAYERS` (vLLM 0.30.0–0.33.0; see the
+    module docstring).
 
     Args:
         patcher: the :class:`kvpool.patching.Patcher` of the running ``install()``.
+
+    Raises:
+        MissingPatchTargetError: a class below ``EngineClient`` defines no
+            ``reset_prefix_cache`` to extend (an untested vLLM release).
     """
-    from vllm.engine.protocol import EngineClient
-    from vllm.entrypoints.llm import LLM
-    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.sched.interface import SchedulerInterface
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.engine import core_client
-    from vllm.v1.engine.async_llm import AsyncLLM
-    from vllm.v1.engine.core import EngineCore
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    from kvpool.vllm_compat import release_traits
-
     global _ALL_ENGINE_UTILITY_CALL
     _ALL_ENGINE_UTILITY_CALL = release_traits().all_engine_utility_call
-    reorder = "reset_free_block_queue_order"
-    reset = "reset_prefix_cache"
-
-    def add(owner: type, name: str, fn: Callable) -> None:
-        patcher.set_attr(owner, name, _named(fn, owner, name))
-
-    def extend_reset(owner: type, factory: Callable, name: str = reset) -> None:
-        add(owner, name, factory(_vllm_method(owner, name)))
-
-    # Engine-core side, bottom up.
-    add(KVCacheCoordinator, reorder, _coordinator_reset_free_block_queue_order)
-    extend_reset(KVCacheCoordinator, _coordinator_reset_prefix_cache)
-    add(KVCacheManager, reorder, _manager_reset_free_block_queue_order)
-    extend_reset(KVCacheManager, _manager_reset_prefix_cache)
-    add(SchedulerInterface, reorder, _interface_reset_free_block_queue_order)
-    add(SchedulerInterface, reset, _interface_reset_prefix_cache)
-    add(Scheduler, reorder, _scheduler_reset_free_block_queue_order)
-    extend_reset(Scheduler, _scheduler_reset_prefix_cache)
-    add(EngineCore, reorder, _engine_core_reset_free_block_queue_order)
-    extend_reset(EngineCore, _engine_core_reset_prefix_cache)
-
-    # Clients. The data-parallel async clients override neither reset method in
-    # 0.33.0 and inherit AsyncMPClient's.
-    base = core_client.EngineCoreClient
-    add(base, reorder, _client_reset_free_block_queue_order)
-    add(base, reorder + "_async", _client_reset_free_block_queue_order_async)
-    add(base, reset, _client_reset_prefix_cache)
-    add(base, reset + "_async", _client_reset_prefix_cache_async)
-    add(core_client.InprocClient, reorder, _inproc_reset_free_block_queue_order)
-    extend_reset(core_client.InprocClient, _inproc_reset_prefix_cache)
-    add(core_client.SyncMPClient, reorder, _sync_mp_reset_free_block_queue_order)
-    extend_reset(core_client.SyncMPClient, _sync_mp_reset_prefix_cache)
-    add(core_client.AsyncMPClient, reorder + "_async", _async_mp_reset_free_block_queue_order_async)
-    extend_reset(core_client.AsyncMPClient, _async_mp_reset_prefix_cache_async, reset + "_async")
-
-    # Front ends.
-    add(LLMEngine, reorder, _llm_engine_reset_free_block_queue_order)
-    extend_reset(LLMEngine, _llm_engine_reset_prefix_cache)
-    add(AsyncLLM, reorder, _async_llm_reset_free_block_queue_order)
-    extend_reset(AsyncLLM, _async_llm_reset_prefix_cache)
-    add(LLM, reorder, _llm_reset_free_block_queue_order)
-    extend_reset(LLM, _llm_reset_prefix_cache)
-    add(EngineClient, reorder, _engine_client_reset_free_block_queue_order)
-    add(EngineClient, reset, _engine_client_reset_prefix_cache)
-
+    owners = [_owner(layer.owner) for layer in LAYERS]  # every import before any change
+    for layer, owner in zip(LAYERS, owners):
+        for name, method in _methods(layer, owner).items():
+            patcher.set_attr(owner, name, method)
     _patch_dev_cache_router(patcher)
 
 
-__all__ = ["REORDER_ROUTE", "RESET_ROUTE", "apply", "build_dev_cache_router", "coordinator_block_pools"]
+__all__ = ["LAYERS", "REORDER_ROUTE", "RESET_ROUTE", "Layer", "apply", "build_dev_cache_router",
+           "coordinator_block_pools"]

@@ -159,7 +159,7 @@ VARIABLES: dict[str, Variable] = {
         Variable(CACHE_DIR, "text", "~/.cache/kvpool",
                  "conformance: where vLLM sdists are downloaded"),
         Variable(INDEX_URL, "text", None,
-                 "conformance: package index for vLLM's sdist (default: pip's index-url, then PyPI)"),
+                 "conformance: package index for vLLM's sdist (default: the one pip download uses)"),
     )
 }
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from importlib import metadata
 from typing import Any
 
-from kvpool import envs
+from kvpool import envs, vllm_compat
+from kvpool._version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,10 +55,41 @@ def render(rows: list[envs.Setting]) -> str:
     return "\n".join(lines)
 
 
+def describe() -> str:
+    """Versions, support, plugin registration, install state and the native core, one
+    line each (the head of ``python -m kvpool info``)."""
+    version = vllm_compat.installed_vllm_version()
+    supported = vllm_compat.is_supported(version)
+    lines = [
+        f"kvpool {__version__}",
+        f"vLLM installed: {version or 'no'}"
+        + ("" if version is None else (" (supported)" if supported else " (NOT supported)")),
+        f"supported vLLM: {', '.join(vllm_compat.SUPPORTED_VLLM_VERSIONS)}",
+    ]
+    try:
+        eps = metadata.entry_points(group="vllm.general_plugins")
+        registered = any(ep.value == "kvpool.plugin:register" for ep in eps)
+    except Exception:  # pragma: no cover - broken metadata
+        registered = False
+    lines.append(
+        "vLLM plugin entry point: "
+        + ("registered (every vLLM process installs kvpool unless KVPOOL_DISABLE is on)" if registered
+           else "NOT registered")
+    )
+    from kvpool import is_installed
+
+    lines.append(f"installed in this process: {'yes' if is_installed() else 'no'}")
+    try:
+        from kvpool import _core  # noqa: F401
+
+        lines.append("native core: built")
+    except ImportError as e:  # pragma: no cover - only on a broken install
+        lines.append(f"native core: NOT importable ({e})")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from kvpool.vllm_compat import describe
-
     rows = settings()
     if args.json:
         out = {

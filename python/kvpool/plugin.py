@@ -41,7 +41,8 @@ def register() -> None:
         logger.info("kvpool: disabled by %s=%s; vLLM's own block pool is used", DISABLE_ENV,
                     os.environ.get(DISABLE_ENV))
         return
-    from kvpool import __version__, patching
+    from kvpool import patching
+    from kvpool._version import __version__
     from kvpool.vllm_compat import UnsupportedVLLMVersionError
 
     try:

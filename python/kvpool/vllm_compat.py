@@ -1,8 +1,8 @@
 """Everything kvpool knows about particular vLLM versions, in one place.
 
 Supporting a new vLLM version is one diff here: a row in :data:`VLLM_RELEASES` (what
-differs from its neighbours, read from the release itself), a pin file
-``requirements/vllm-X.txt`` for its environment, and, once
+differs from its neighbours that kvpool's code acts on, read from the release itself), a
+pin file ``requirements/vllm-X.txt`` for its environment, and, once
 ``python -m kvpool conformance --vllm-version X`` reports zero regressions, the
 version in :data:`SUPPORTED_VLLM_VERSIONS`.
 """
@@ -13,57 +13,46 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from kvpool import envs
+from kvpool._version import __version__
 from kvpool.errors import KvpoolError
 
 
 @dataclass(frozen=True)
 class VllmRelease:
-    """What one vLLM release does differently where kvpool binds in.
+    """What one vLLM release does differently that kvpool's code acts on.
 
-    Everything not named here is the same in every release of the table (read from
-    the released wheels side by side: ``KVCacheBlock``, the ``FreeKVCacheBlockQueue``
-    API, ``BlockHashToBlockMap``, ``get_new_blocks``, ``unpin_blocks``,
-    ``evict_blocks``, ``reset_prefix_cache``, the coordinator's ``free`` /
-    ``pop_blocks_for_free``, the scheduler's deferred-free fields and helpers, and the
-    per-group deferred-order bug kvpool fixes).
+    Everything not named here is the same in every release of the table for kvpool's
+    purposes (read from the released wheels side by side: ``KVCacheBlock``, the
+    ``FreeKVCacheBlockQueue`` API, ``BlockHashToBlockMap``, ``get_new_blocks``,
+    ``unpin_blocks``, ``evict_blocks``, ``reset_prefix_cache``, the coordinator's
+    ``free`` / ``pop_blocks_for_free``, the scheduler's deferred-free fields and
+    helpers, and the per-group deferred-order bug kvpool fixes). The differences that
+    need no code of kvpool's (``num_hash_lookahead_tokens``, the null block's
+    ``ref_cnt`` up to 0.32.0, ``_reset_caches`` raising from 0.31.0,
+    ``Scheduler.deferred_loads`` in 0.33.0) are in docs/conformance.md, "vLLM
+    releases".
 
     Attributes:
         version: the release, ``"0.33.0"``.
-        hash_lookahead: ``BlockPool.__init__`` takes ``num_hash_lookahead_tokens``
-            (before ``medium``) and KV events carry look-ahead tokens. kvpool's pool
-            accepts the argument on every release and stores it; releases without it
-            never pass it.
-        null_block_ref_counted: ``BlockPool.touch`` / ``free_blocks`` add to / take
-            from the null block's ``ref_cnt`` and only skip its free-queue operation
-            (<= 0.32.0); from 0.33.0 they skip the null block entirely and
-            ``pop_blocks_for_free`` trims leading null blocks (``trim_null_head``).
         all_engine_utility_call: ``AsyncMPClient.call_utility_all_async`` exists and
             ``reset_prefix_cache_async`` resets every data-parallel engine (>= 0.32.0).
             Before, vLLM's reset reaches one engine (all with the load-balancing
-            client); kvpool's reorder then sends its call to every engine itself.
-        reset_caches_raises: ``EngineCore._reset_caches`` (pause with
-            ``clear_cache=True``) raises when the prefix-cache reset fails (>= 0.31.0);
-            0.30.0 ignores the failure, with and without kvpool.
-        deferred_loads: ``Scheduler.deferred_loads`` shares the deferred-free fences
-            (0.33.0); kvpool's fenced queue leaves it to vLLM.
+            client); kvpool's reorder then sends its call to every engine itself
+            (``kvpool.engine_api``).
     """
 
     version: str
-    hash_lookahead: bool
-    null_block_ref_counted: bool
     all_engine_utility_call: bool
-    reset_caches_raises: bool
-    deferred_loads: bool
 
 
 #: The releases kvpool knows, oldest first: its test matrix.
 VLLM_RELEASES: dict[str, VllmRelease] = {
     r.version: r
     for r in (
-        VllmRelease("0.30.0", False, True, False, False, False),
-        VllmRelease("0.31.0", False, True, False, True, False),
-        VllmRelease("0.32.0", False, True, True, True, False),
-        VllmRelease("0.33.0", True, False, True, True, True),
+        VllmRelease("0.30.0", all_engine_utility_call=False),
+        VllmRelease("0.31.0", all_engine_utility_call=False),
+        VllmRelease("0.32.0", all_engine_utility_call=True),
+        VllmRelease("0.33.0", all_engine_utility_call=True),
     )
 }
 
@@ -154,44 +143,7 @@ def check_vllm_version(force: bool = False) -> str:
     if is_supported(version) or force or envs.get(ALLOW_UNTESTED_ENV):
         return version
     raise UnsupportedVLLMVersionError(
-        f"kvpool {_kvpool_version()} supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}; "
+        f"kvpool {__version__} supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}; "
         f"found vLLM {version}. Run `python -m kvpool conformance` against it and set "
         f"{ALLOW_UNTESTED_ENV}=1 (or install(force=True)) to try it anyway."
     )
-
-
-def _kvpool_version() -> str:
-    from kvpool import __version__
-
-    return __version__
-
-
-def describe() -> str:
-    """One paragraph for ``python -m kvpool info``."""
-    version = installed_vllm_version()
-    lines = [
-        f"kvpool {_kvpool_version()}",
-        f"vLLM installed: {version or 'no'}"
-        + ("" if version is None else (" (supported)" if is_supported(version) else " (NOT supported)")),
-        f"supported vLLM: {', '.join(SUPPORTED_VLLM_VERSIONS)}",
-    ]
-    try:
-        eps = metadata.entry_points(group="vllm.general_plugins")
-        registered = any(ep.value == "kvpool.plugin:register" for ep in eps)
-    except Exception:  # pragma: no cover - broken metadata
-        registered = False
-    lines.append(
-        "vLLM plugin entry point: "
-        + ("registered (every vLLM process installs kvpool unless KVPOOL_DISABLE is on)" if registered
-           else "NOT registered")
-    )
-    from kvpool import is_installed
-
-    lines.append(f"installed in this process: {'yes' if is_installed() else 'no'}")
-    try:
-        from kvpool import _core  # noqa: F401
-
-        lines.append("native core: built")
-    except ImportError as e:  # pragma: no cover - only on a broken install
-        lines.append(f"native core: NOT importable ({e})")
-    return "\n".join(lines)

@@ -28,7 +28,6 @@ from pathlib import Path
 from kvpool import envs
 from kvpool.errors import KvpoolError
 
-DEFAULT_INDEX_URL = "https://pypi.org/simple/"
 JSON_ACCEPT = "application/vnd.pypi.simple.v1+json"
 #: Accept header preferring PEP 691 JSON but taking PEP 503 HTML from older mirrors.
 INDEX_ACCEPT = f"{JSON_ACCEPT}, application/vnd.pypi.simple.v1+html;q=0.2, text/html;q=0.01"
@@ -58,54 +57,48 @@ def cache_dir() -> Path:
     return Path(envs.get(envs.CACHE_DIR)).expanduser()
 
 
-def _pip_config() -> dict[str, str]:
-    """``pip config list`` of the running interpreter as ``{key: value}``; ``{}`` on failure."""
+#: Run by the environment's interpreter: the indexes ``pip download`` would use, from
+#: pip's own option parser (its default, its configuration files, ``PIP_*`` variables).
+_PIP_INDEXES = (
+    "import json; from pip._internal.commands import create_command; "
+    "o, _ = create_command('download').parse_args([]); "
+    "print(json.dumps([o.index_url, o.extra_index_urls]))"
+)
+
+
+def _pip_indexes() -> tuple[str, list[str]]:
+    """``(index-url, extra-index-urls)`` as ``pip download`` of the running interpreter
+    resolves them.
+
+    Raises:
+        SdistError: pip could not be asked (not installed, or its internals moved).
+    """
     try:
-        out = subprocess.run(
-            [sys.executable, "-m", "pip", "config", "list"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    config = {}
-    for line in out.splitlines():
-        key, sep, value = line.partition("=")
-        if sep:
-            config[key.strip()] = value.strip().strip("'\"")
-    return config
+        proc = subprocess.run([sys.executable, "-c", _PIP_INDEXES], capture_output=True, text=True,
+                              timeout=60, check=False)
+        primary, extras = json.loads(proc.stdout)
+    except (OSError, subprocess.TimeoutExpired, ValueError) as e:
+        raise SdistError(
+            f"cannot ask pip which package index to use ({e}); pass --index-url or set "
+            f"{envs.INDEX_URL}") from e
+    return primary, list(extras)
 
 
 def index_urls(explicit: str | None = None) -> list[str]:
     """Simple-index base URLs to search, in order.
 
-    The primary index is, first found: ``explicit``, ``$KVPOOL_INDEX_URL``,
-    ``$PIP_INDEX_URL``, pip's configured ``index-url``, then the public index. Extra
-    indexes (``$PIP_EXTRA_INDEX_URL``, pip's ``extra-index-url``) follow it.
+    The primary index is ``explicit`` or ``$KVPOOL_INDEX_URL``, else the one ``pip
+    download`` would use (``$PIP_INDEX_URL``, pip's configured ``index-url``, pip's
+    default); pip's extra indexes (``$PIP_EXTRA_INDEX_URL``, ``extra-index-url``)
+    follow it.
+
+    Raises:
+        SdistError: pip could not be asked (:func:`_pip_indexes`).
     """
-    config: dict[str, str] | None = None
-
-    def pip_setting(name: str) -> str | None:
-        nonlocal config
-        if config is None:
-            config = _pip_config()
-        for scope in (":env:", "global", "download", "install"):
-            if f"{scope}.{name}" in config:
-                return config[f"{scope}.{name}"]
-        return None
-
-    primary = (
-        explicit
-        or envs.get(envs.INDEX_URL)
-        or os.environ.get("PIP_INDEX_URL")
-        or pip_setting("index-url")
-        or DEFAULT_INDEX_URL
-    )
-    extras = os.environ.get("PIP_EXTRA_INDEX_URL") or pip_setting("extra-index-url") or ""
+    pip_primary, extras = _pip_indexes()
+    primary = explicit or envs.get(envs.INDEX_URL) or pip_primary
     urls = []
-    for url in [primary, *extras.split()]:
+    for url in [primary, *extras]:
         url = url if url.endswith("/") else url + "/"
         if url not in urls:
             urls.append(url)
