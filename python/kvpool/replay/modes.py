@@ -51,9 +51,9 @@ class Mode:
 
 VANILLA = Mode("vanilla")
 KVPOOL = Mode("kvpool", allocation="vllm")
-KVPOOL_REORDER = Mode("kvpool+reorder", allocation="vllm", reorder=True)
-KVPOOL_CONTIGUOUS = Mode("kvpool+contiguous", allocation="contiguous")
-ALL_MODES = (VANILLA, KVPOOL, KVPOOL_REORDER, KVPOOL_CONTIGUOUS)
+REORDER = Mode("kvpool+reorder", allocation="vllm", reorder=True)
+CONTIGUOUS = Mode("kvpool+contiguous", allocation="contiguous")
+ALL_MODES = (VANILLA, KVPOOL, REORDER, CONTIGUOUS)
 #: The mode names, in the order a run takes them by default.
 MODES = tuple(m.name for m in ALL_MODES)
 _BY_NAME = {m.name: m for m in ALL_MODES}
