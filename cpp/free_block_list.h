@@ -21,6 +21,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "extent_reservations.h"
 #include "slot_bitmap.h"
 
 namespace kvpool {
@@ -189,28 +190,17 @@ class FreeBlockList {
     unlink_one(slot);
     insert_uncached(&slot, 1);
   }
+  // kContiguous: the tables' extent reservations (cpp/extent_reservations.h); empty
+  // in the other orders.
+  const ExtentReservations& extents() const { return extents_; }
   // Forget every reservation of `owner` (its request was freed) / of all owners.
-  void release(int32_t owner);
-  void release_all();
-  int32_t num_reserved_owners() const { return static_cast<int32_t>(extents_.size()); }
+  void release(int32_t owner) noexcept { extents_.release(owner); }
+  void release_all() noexcept { extents_.release_all(); }
+  int32_t num_reserved_owners() const { return extents_.num_owners(); }
   // Extents recorded for `owner`, and forgetting the ones after the first `keep` (the
   // undo of a take() whose allocation failed later). Cannot throw.
-  int32_t num_extents(int32_t owner) const {
-    auto it = extents_.find(owner);
-    return it == extents_.end() ? 0 : static_cast<int32_t>(it->second.size());
-  }
-  void truncate_extents(int32_t owner, int32_t keep) noexcept {
-    auto it = extents_.find(owner);
-    if (it == extents_.end()) return;
-    auto& list = it->second;
-    while (static_cast<int32_t>(list.size()) > keep) {
-      const auto& extent = list.back();
-      reserved_.reset_range(extent.first, extent.first + extent.second);
-      std::fill(owner_of_.begin() + extent.first, owner_of_.begin() + extent.first + extent.second, 0);
-      list.pop_back();
-    }
-    if (list.empty()) extents_.erase(it);
-  }
+  int32_t num_extents(int32_t owner) const { return extents_.num_extents(owner); }
+  void truncate_extents(int32_t owner, int32_t keep) noexcept { extents_.truncate(owner, keep); }
   // kSegments / kContiguous: relink the uncached segment in ascending slot order; the
   // LRU segment keeps its order, behind it. O(capacity).
   void rebuild_uncached_canonical();
@@ -228,7 +218,7 @@ class FreeBlockList {
     prev_.resize(static_cast<size_t>(capacity_) + kFirst);
     next_.resize(static_cast<size_t>(capacity_) + kFirst);
     if (order_ != kVllmOrder) lru_.resize(static_cast<size_t>(capacity_));
-    if (order_ == kContiguous) owner_of_.resize(static_cast<size_t>(capacity_));
+    if (order_ == kContiguous) extents_.set_capacity(capacity_);
     // The bitmaps keep their size: the dropped slots' bits are 0 and are never read.
   }
   // Relink every free slot in ascending slot order, O(capacity). The set of free
@@ -250,7 +240,25 @@ class FreeBlockList {
   void check_free(int32_t slot) const;
   // Validate a batch for insertion; marks are undone before throwing.
   void validate_batch(const int32_t* slots, int32_t n);
-  void link_run_after(int32_t anchor, const int32_t* slots, int32_t n);
+  // Link n nodes, node_at(0) .. node_at(n-1), in that order right after node `anchor`.
+  template <typename NodeAt>
+  void splice_after(int32_t anchor, int32_t n, NodeAt node_at) {
+    int32_t after = next_[anchor];
+    int32_t last = anchor;
+    for (int32_t i = 0; i < n; ++i) {
+      int32_t node = node_at(i);
+      next_[last] = node;
+      prev_[node] = last;
+      last = node;
+    }
+    next_[last] = after;
+    prev_[after] = last;
+    size_ += n;
+    insertions_ += static_cast<uint64_t>(n);
+  }
+  void link_run_after(int32_t anchor, const int32_t* slots, int32_t n) {
+    splice_after(anchor, n, [slots](int32_t i) { return slots[i] + kFirst; });
+  }
   // Segment bookkeeping of the policies.
   void mark_segment(const int32_t* slots, int32_t n, uint8_t lru) {
     for (int32_t i = 0; i < n; ++i) lru_[slots[i]] = lru;
@@ -274,9 +282,6 @@ class FreeBlockList {
     --size_;
     if (order_ == kContiguous) uncached_.reset(slot);
   }
-  // Record an extent of `owner`; extents_[owner] must have room for one more entry
-  // (take() makes it before it unlinks anything), so this cannot throw.
-  void reserve(int32_t owner, int32_t start, int32_t len);
   // The relinking half of rebuild_uncached_canonical: `order` holds the uncached free
   // slots ascending (the first num_uncached) and then the LRU ones. Cannot throw.
   void link_uncached_canonical(const std::vector<int32_t>& order, size_t num_uncached) noexcept;
@@ -307,9 +312,7 @@ class FreeBlockList {
   Order order_ = kVllmOrder;
   std::vector<uint8_t> lru_;        // per slot: 1 if it was last inserted at the tail
   SlotBitmap uncached_;             // kContiguous: free slots of the uncached segment
-  SlotBitmap reserved_;             // kContiguous: slots in some owner's extent
-  std::vector<int32_t> owner_of_;   // kContiguous: that owner (0: none)
-  std::unordered_map<int32_t, std::vector<std::pair<int32_t, int32_t>>> extents_;
+  ExtentReservations extents_;      // kContiguous: the tables' reserved extents
 };
 
 // ---- implementation (inline: the Cython loops call these per block) ----
@@ -444,21 +447,6 @@ inline void FreeBlockList::validate_batch(const int32_t* slots, int32_t n) {
   throw InvalidBlockState(error);
 }
 
-inline void FreeBlockList::link_run_after(int32_t anchor, const int32_t* slots, int32_t n) {
-  int32_t after = next_[anchor];
-  int32_t last = anchor;
-  for (int32_t i = 0; i < n; ++i) {
-    int32_t node = slots[i] + kFirst;
-    next_[last] = node;
-    prev_[node] = last;
-    last = node;
-  }
-  next_[last] = after;
-  prev_[after] = last;
-  size_ += n;
-  insertions_ += static_cast<uint64_t>(n);
-}
-
 inline void FreeBlockList::append(int32_t slot) { append_n(&slot, 1); }
 
 inline void FreeBlockList::append_n(const int32_t* slots, int32_t n) {
@@ -485,14 +473,13 @@ inline void FreeBlockList::grow(int32_t extra) {
   next_.reserve(nodes);
   if (order_ != kVllmOrder) lru_.reserve(static_cast<size_t>(capacity));
   if (order_ == kContiguous) {
-    owner_of_.reserve(static_cast<size_t>(capacity));
+    extents_.reserve_capacity(capacity);
     if (uncached_.capacity() < capacity) uncached_.resize(capacity);
-    if (reserved_.capacity() < capacity) reserved_.resize(capacity);
   }
   prev_.resize(nodes, kNotFree);
   next_.resize(nodes, kNotFree);
   if (order_ != kVllmOrder) lru_.resize(static_cast<size_t>(capacity), 0);
-  if (order_ == kContiguous) owner_of_.resize(static_cast<size_t>(capacity), 0);
+  if (order_ == kContiguous) extents_.set_capacity(capacity);
   capacity_ = capacity;
 }
 
@@ -505,8 +492,6 @@ inline void FreeBlockList::swap(FreeBlockList& other) noexcept {
   std::swap(order_, other.order_);
   lru_.swap(other.lru_);
   uncached_.swap(other.uncached_);
-  reserved_.swap(other.reserved_);
-  owner_of_.swap(other.owner_of_);
   extents_.swap(other.extents_);
 }
 
@@ -622,8 +607,9 @@ inline void FreeBlockList::set_order(Order order) {
   // Strong guarantee: build every new array first (each may throw bad_alloc), then
   // switch with swaps and a relink that cannot throw.
   std::vector<uint8_t> lru;
-  SlotBitmap uncached, reserved;
-  std::vector<int32_t> owner_of, order_slots;
+  SlotBitmap uncached;
+  ExtentReservations extents;
+  std::vector<int32_t> order_slots;
   size_t num_uncached = 0;
   if (order != kVllmOrder) {
     if (order_ == kVllmOrder) lru.assign(static_cast<size_t>(capacity_), 0);
@@ -631,16 +617,13 @@ inline void FreeBlockList::set_order(Order order) {
   }
   if (order == kContiguous) {
     uncached = SlotBitmap(capacity_);
-    reserved = SlotBitmap(capacity_);
-    owner_of.assign(static_cast<size_t>(capacity_), 0);
+    ExtentReservations(capacity_).swap(extents);
     order_slots = uncached_canonical_order(lru, &num_uncached);  // by the new segments
   }
   order_ = order;
   lru_.swap(lru);
   uncached_.swap(uncached);
-  reserved_.swap(reserved);
-  owner_of_.swap(owner_of);
-  extents_.clear();
+  extents_.swap(extents);  // (the old order's reservations are dropped with `extents`)
   if (order == kContiguous) link_uncached_canonical(order_slots, num_uncached);
 }
 
@@ -654,21 +637,9 @@ inline void FreeBlockList::insert_uncached(const int32_t* slots, int32_t n) {
     if (run) {
       int32_t lo = step == 1 ? slots[0] : slots[n - 1];
       int32_t p = uncached_.find_prev(lo);
-      int32_t before = p < 0 ? kHead : p + kFirst;
-      int32_t after = next_[before];
-      int32_t last = before;
-      for (int32_t i = 0; i < n; ++i) {
-        int32_t node = lo + i + kFirst;
-        next_[last] = node;
-        prev_[node] = last;
-        last = node;
-      }
-      next_[last] = after;
-      prev_[after] = last;
+      splice_after(p < 0 ? kHead : p + kFirst, n, [lo](int32_t i) { return lo + i + kFirst; });
       std::fill(lru_.begin() + lo, lru_.begin() + lo + n, 0);
       uncached_.set_range(lo, lo + n);
-      size_ += n;
-      insertions_ += static_cast<uint64_t>(n);
       return;
     }
   }
@@ -714,37 +685,6 @@ inline void FreeBlockList::reinsert_front(const int32_t* slots, int32_t n) {
   }
 }
 
-// Extents never overlap: take() reserves only slots outside every extent.
-inline void FreeBlockList::reserve(int32_t owner, int32_t start, int32_t len) {
-  reserved_.set_range(start, start + len);
-  std::fill(owner_of_.begin() + start, owner_of_.begin() + start + len, owner);
-  extents_[owner].emplace_back(start, len);
-}
-
-inline void FreeBlockList::release(int32_t owner) {
-  auto it = extents_.find(owner);
-  if (it == extents_.end()) return;
-  for (const auto& extent : it->second) {
-    int32_t end = extent.first + extent.second;
-    reserved_.reset_range(extent.first, end);
-    std::fill(owner_of_.begin() + extent.first, owner_of_.begin() + end, 0);
-  }
-  extents_.erase(it);
-}
-
-inline void FreeBlockList::release_all() {
-  // Extent by extent: O(reserved slots), not O(capacity) (this runs whenever the pool
-  // empties).
-  for (const auto& owner_extents : extents_) {
-    for (const auto& extent : owner_extents.second) {
-      int32_t end = extent.first + extent.second;
-      reserved_.reset_range(extent.first, end);
-      std::fill(owner_of_.begin() + extent.first, owner_of_.begin() + end, 0);
-    }
-  }
-  extents_.clear();
-}
-
 inline void FreeBlockList::take(int32_t n, int32_t hint, int32_t owner, int32_t want, int32_t* out) {
   if (order_ != kContiguous) throw InvalidBlockState("take() needs the contiguous order");
   if (n < 0) throw InvalidBlockState("cannot take a negative number of blocks");
@@ -755,25 +695,10 @@ inline void FreeBlockList::take(int32_t n, int32_t hint, int32_t owner, int32_t 
   // The one allocation (room for an extent record) before anything is unlinked, so a
   // bad_alloc leaves the list as it was. A new owner's empty entry is dropped below
   // if no extent is recorded for it.
-  std::vector<std::pair<int32_t, int32_t>>* owner_extents = nullptr;
-  bool new_owner = false;
-  if (owner > 0) {
-    auto found = extents_.find(owner);
-    if (found == extents_.end()) {
-      found = extents_.emplace(owner, std::vector<std::pair<int32_t, int32_t>>()).first;
-      new_owner = true;
-    }
-    owner_extents = &found->second;
-    try {
-      owner_extents->reserve(owner_extents->size() + 1);
-    } catch (...) {
-      if (new_owner) extents_.erase(found);
-      throw;
-    }
-  }
+  if (owner > 0) extents_.open(owner);
   int32_t k = 0;
   auto usable = [&](int32_t s) {
-    return s < capacity_ && uncached_.test(s) && (!reserved_.test(s) || owner_of_[s] == owner);
+    return s < capacity_ && uncached_.test(s) && extents_.usable_by(s, owner);
   };
   // 1. The table's continuation.
   if (hint >= 0 && owner > 0) {
@@ -786,13 +711,13 @@ inline void FreeBlockList::take(int32_t n, int32_t hint, int32_t owner, int32_t 
   if (k < n && owner > 0) {
     int32_t rest = n - k;
     int32_t len = std::max(want, rest);
-    int32_t start = uncached_.find_run(len, &reserved_);
+    int32_t start = uncached_.find_run(len, &extents_.reserved());
     if (start < 0 && len > rest) {
       len = rest;
-      start = uncached_.find_run(len, &reserved_);
+      start = uncached_.find_run(len, &extents_.reserved());
     }
     if (start >= 0) {
-      reserve(owner, start, len);
+      extents_.record(owner, start, len);
       unlink_uncached_run(start, n - k, out + k);
       k = n;
     }
@@ -804,7 +729,7 @@ inline void FreeBlockList::take(int32_t n, int32_t hint, int32_t owner, int32_t 
     while (k < n && s >= 0) {
       auto takeable = [&](int32_t t) {
         return t < capacity_ && uncached_.test(t) &&
-               (pass == 1 || !reserved_.test(t) || owner_of_[t] == owner);
+               (pass == 1 || extents_.usable_by(t, owner));
       };
       if (!takeable(s)) {
         s = uncached_.find_next(s + 1);
@@ -819,7 +744,7 @@ inline void FreeBlockList::take(int32_t n, int32_t hint, int32_t owner, int32_t 
   }
   // 5. The LRU segment, from its front (now the list's front), as vLLM.
   while (k < n) out[k++] = popleft();
-  if (new_owner && owner_extents->empty()) extents_.erase(owner);
+  if (owner > 0) extents_.close_if_empty(owner);
 }
 
 inline std::vector<int32_t> FreeBlockList::uncached_canonical_order(const std::vector<uint8_t>& lru,

@@ -50,7 +50,7 @@ def _grow_interleaved(spec, policy: str) -> tuple[dict[str, list[int]], dict]:
         tables = {r: [b.block_id for b in blocks if not b.is_null] for r, blocks in manager.req_to_blocks.items()}
         for r in list(manager.req_to_blocks):
             manager.free(r)
-        assert pool.free_block_queue.num_reserved_owners == 0  # freeing a table releases its extent
+        assert pool.free_block_queue.policy.num_reserved_owners == 0  # freeing a table releases its extent
         stats = pool.fragmentation_stats()  # the tables, counted as they were freed
         return tables, stats
     finally:
@@ -121,7 +121,7 @@ def test_reorder_on_idle_restores_the_uncached_segment_and_keeps_the_lru_segment
     monkeypatch.setenv(allocation.REORDER_ON_IDLE_ENV, "1")
     pool = BlockPool(64, True, 16)
     queue = pool.free_block_queue
-    assert pool.allocation == "vllm" and queue.allocation_order == "segments"
+    assert pool.allocation == "vllm" and queue.policy.order == "segments"
     a, b, c = pool.get_new_blocks(5), pool.get_new_blocks(4), pool.get_new_blocks(6)
     for i, block in enumerate(b):
         pool._insert_block_hash(bytes([i]) * 4 + (0).to_bytes(4, "big"), block, num_tokens=16)
@@ -139,7 +139,7 @@ def test_reorder_on_idle_restores_the_uncached_segment_and_keeps_the_lru_segment
 
 def test_without_the_switches_the_pool_keeps_vllm_s_exact_order():
     pool = BlockPool(32, True, 16)
-    assert pool.allocation == "vllm" and pool.free_block_queue.allocation_order == "vllm"
+    assert pool.allocation == "vllm" and pool.free_block_queue.policy.order == "vllm"
     a = pool.get_new_blocks(4)
     pool.free_blocks(reversed(a))
     assert pool.free_block_queue.free_block_ids()[:4] == [4, 3, 2, 1]  # LIFO, as vLLM
@@ -168,7 +168,7 @@ def test_install_switches(monkeypatch):
     assert kvpool.install()
     try:
         assert allocation.current() == "contiguous"
-        assert BlockPool(8, False, 16).free_block_queue.allocation_order == "contiguous"
+        assert BlockPool(8, False, 16).free_block_queue.policy.order == "contiguous"
         assert kvpool.install(allocation="contiguous") is False  # idempotent
         with pytest.raises(ValueError, match="uninstall"):
             kvpool.install(allocation="vllm")

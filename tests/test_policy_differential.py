@@ -82,7 +82,7 @@ class ContiguousSide(KvpoolSide):
                                   enable_kv_cache_events=True)
         finally:
             allocation.set_policy(previous)
-        assert self.pool.free_block_queue.allocation_order == "contiguous"
+        assert self.pool.free_block_queue.policy.order == "contiguous"
         self.manager = _Table()
         # vLLM block id -> kvpool block id, for held blocks and the LRU segment.
         self.to_kvpool: dict[int, int] = {}
@@ -167,7 +167,7 @@ class PolicyWorkload(PoolWorkload):
         return [v.block_id for v in vllm_blocks]
 
     def _alloc_ids(self, size: int, table_key) -> list[int]:
-        uncached = self.ours.pool.free_block_queue.num_uncached_free
+        uncached = self.ours.pool.free_block_queue.policy.num_uncached_free
         got_v = self.vllm_side.alloc(size, table_key)
         got_k = self.ours.alloc(size, table_key)
         return self._pair(got_v, got_k, uncached)
@@ -247,9 +247,9 @@ class PolicyWorkload(PoolWorkload):
         self._agree([s.free_ready(self.processed_step_seq) for s in self.sides], "free_ready calls")
         self._agree([s.reset(True) for s in self.sides], "reset")
         queue = self.ours.pool.free_block_queue
-        assert queue.num_reserved_owners == 0, "extents left after every table ended"
+        assert queue.policy.num_reserved_owners == 0, "extents left after every table ended"
         order = queue.free_block_ids()
-        uncached = order[: queue.num_uncached_free]
+        uncached = order[: queue.policy.num_uncached_free]
         assert uncached == sorted(uncached)
 
     def check_full(self) -> None:
@@ -260,7 +260,7 @@ class PolicyWorkload(PoolWorkload):
         self._agree([[v.blocks[i].ref_cnt for i in held],
                      [k.blocks[self.ours.to_kvpool[i]].ref_cnt for i in held]], "ref counts")
         queue = k.free_block_queue
-        lru = queue.free_block_ids()[queue.num_uncached_free:]
+        lru = queue.free_block_ids()[queue.policy.num_uncached_free:]
         vorder = [b.block_id for b in v.free_block_queue.get_all_free_blocks()]
         self._agree([vorder[len(vorder) - len(lru):], [self.ours.to_vllm[i] for i in lru]], "LRU segment")
         queue.check_invariants()

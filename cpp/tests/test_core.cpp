@@ -1,4 +1,5 @@
-// Unit tests of the C++ core without Python: the free list and the fenced queue.
+// Unit tests of the C++ core without Python: the free list, the contiguous policy's
+// extent reservations and the fenced queue.
 // Build and run: g++ -std=c++17 -O1 -I cpp cpp/tests/test_core.cpp cpp/*.cpp && ./a.out
 // (tests/test_cpp_core.py does this; CMake: -DKVPOOL_BUILD_TESTS=ON, ctest).
 #include <algorithm>
@@ -10,9 +11,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "extent_reservations.h"
 #include "fenced_free_queue.h"
 #include "free_block_list.h"
 
+using kvpool::ExtentReservations;
 using kvpool::FencedFreeQueue;
 using kvpool::FreeBlockList;
 
@@ -432,6 +435,58 @@ static void test_contiguous_take_extents_and_reinsert() {
   CHECK(runs >= 1 && longest >= 1);
 }
 
+// The extent reservations on their own: record, query, release, truncate, and the
+// strong guarantee of the one call that allocates (open).
+static void test_extent_reservations() {
+  ExtentReservations none;
+  CHECK(none.num_owners() == 0 && none.num_extents(1) == 0);
+  ExtentReservations r(32);
+  CHECK(r.open(7));   // a new owner
+  CHECK(!r.open(7));  // known now (its entry is kept until closed or released)
+  r.close_if_empty(7);
+  CHECK(r.num_owners() == 0);  // nothing recorded: dropped
+  CHECK(r.open(7));
+  r.record(7, 4, 6);  // [4, 10)
+  CHECK(r.open(9));
+  r.record(9, 12, 3);  // [12, 15)
+  CHECK(!r.open(7));
+  r.record(7, 20, 2);  // owner 7's second extent, [20, 22)
+  CHECK(r.num_owners() == 2 && r.num_extents(7) == 2 && r.num_extents(9) == 1);
+  CHECK(r.num_reserved_slots() == 11);
+  CHECK(r.is_reserved(4) && r.is_reserved(9) && !r.is_reserved(10) && !r.is_reserved(3));
+  CHECK(r.owner_of(5) == 7 && r.owner_of(13) == 9 && r.owner_of(11) == 0);
+  CHECK(r.usable_by(5, 7) && !r.usable_by(5, 9) && !r.usable_by(5, 0) && r.usable_by(11, 9));
+  CHECK(r.reserved().find_run(4, nullptr) == 4);  // the reserved slots, as a bitmap
+  r.truncate(7, 1);  // the undo of a take() that recorded [20, 22)
+  CHECK(r.num_extents(7) == 1 && !r.is_reserved(20) && r.owner_of(21) == 0);
+  r.release(9);
+  CHECK(r.num_owners() == 1 && !r.is_reserved(13) && r.owner_of(13) == 0);
+  r.release(42);  // unknown owner: nothing
+  r.truncate(7, 0);
+  CHECK(r.num_owners() == 0 && r.num_reserved_slots() == 0);
+  CHECK(r.open(1) && r.open(2));
+  r.record(1, 0, 2);
+  r.record(2, 30, 2);
+  r.release_all();
+  CHECK(r.num_owners() == 0 && r.num_reserved_slots() == 0 && r.owner_of(31) == 0);
+  // Growing: the room first (may throw), then the size (cannot).
+  r.reserve_capacity(64);
+  r.set_capacity(64);
+  CHECK(r.open(3));
+  r.record(3, 60, 4);
+  CHECK(r.owner_of(63) == 3 && r.usable_by(63, 3));
+  // open() allocates (a map node, the owner's room): a bad_alloc changes nothing.
+  for (long k = 0; k < 4; ++k) {
+    arm(k);
+    bool threw = throws<std::bad_alloc>([&] { r.open(100 + static_cast<int32_t>(k)); });
+    bool failed = disarm();
+    CHECK(threw == failed);
+    CHECK(r.num_owners() == (threw ? 1 : 2));
+    if (!threw) r.close_if_empty(100 + static_cast<int32_t>(k));
+  }
+  CHECK(r.num_owners() == 1 && r.num_extents(3) == 1);
+}
+
 // Walking the front with next_links and taking the walked run with detach_front is
 // popleft_n; free_marks tells free slots from taken ones.
 static void test_walk_and_detach_front() {
@@ -471,6 +526,7 @@ int main() {
   test_fenced_queue_joined_parts();
   test_contiguous_order_keeps_vllm_lru_segment();
   test_contiguous_take_extents_and_reinsert();
+  test_extent_reservations();
   test_slot_bitmap_ranges();
   test_strong_guarantee_on_bad_alloc();
   if (failures) {

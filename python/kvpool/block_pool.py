@@ -232,11 +232,12 @@ class BlockPool(VllmBlockPool):
         if self._needs_vllm_loop():
             if not owner:
                 return VllmBlockPool.get_new_blocks(self, num_blocks)
-            self.free_block_queue.set_allocation_plan(hint, owner, want)
+            handle = self._policy.queue_policy(self)  # (allocates nothing once made)
+            handle.set_plan(hint, owner, want)
             try:
                 return VllmBlockPool.get_new_blocks(self, num_blocks)
             finally:
-                self.free_block_queue.set_allocation_plan(-1, 0, 0)
+                handle.set_plan(-1, 0, 0)
         return pool_get_new_blocks(
             self.free_block_queue,
             num_blocks,

@@ -98,6 +98,7 @@ include "block_fields.pxi"        # checked access to ref_cnt / is_null / block_
 include "refcounts.pxi"           # borrowed pointers, small-int ref_cnt, batched refcounts
 include "block.pxi"               # KVCacheBlock
 include "free_queue.pxi"          # FreeKVCacheBlockQueue, make_pool_blocks
+include "policy_handle.pxi"       # FreeQueuePolicy: the allocation policy's handle on a queue
 include "block_table.pxi"         # BlockTable (block objects created on first use)
 include "block_lists.pxi"         # list / reversed(list) read in place
 include "alloc.pxi"               # pool_get_new_blocks (vLLM's order and the contiguous policy)

@@ -66,7 +66,7 @@ class State:
             allocation.set_policy("vllm")
         pool = self.pool
         if order is not None:
-            pool.free_block_queue.set_allocation_order(order)
+            pool.free_block_queue.policy.set_order(order)
         self.held = pool.get_new_blocks(20)
         cached = self.held[:6]
         for i, block in enumerate(cached):
@@ -84,9 +84,9 @@ class State:
             # Blocks not created yet have ref_cnt 0; a creation is not a change.
             [(b.block_id, b.ref_cnt) for b in blocks if b.ref_cnt != 0],
             queue.num_free_blocks,
-            queue.allocation_order,
-            queue.num_reserved_owners,
-            queue.num_uncached_free,
+            queue.policy.order,
+            queue.policy.num_reserved_owners,
+            queue.policy.num_uncached_free,
             queue.table_counters(),  # a free that raises counts nothing
             len(self.deferred),
             self.deferred.num_blocks,
@@ -214,11 +214,11 @@ def op_touch(state):
 
 
 def op_set_order(state):
-    armed(state.pool.free_block_queue.set_allocation_order, "contiguous")
+    armed(state.pool.free_block_queue.policy.set_order, "contiguous")
 
 
 def op_set_order_segments(state):
-    armed(state.pool.free_block_queue.set_allocation_order, "segments")
+    armed(state.pool.free_block_queue.policy.set_order, "segments")
 
 
 def _free_all(state):
@@ -235,7 +235,7 @@ def op_reorder_pool(state):
 
 
 def op_rebuild_uncached(state):
-    armed(state.pool.free_block_queue.rebuild_uncached_canonical)
+    armed(state.pool.free_block_queue.policy.rebuild_uncached_canonical)
 
 
 def op_reset_prefix_cache(state):

@@ -37,10 +37,26 @@ class AllocationPolicy:
 
     def __init__(self, num_gpu_blocks: int):
         self.num_gpu_blocks = num_gpu_blocks
+        self._handle: Any = None
+
+    def queue_policy(self, pool: Any) -> Any:
+        """``pool.free_block_queue.policy`` (the queue's ``FreeQueuePolicy``), kept
+        while the pool keeps its queue: a hook that must not fail after an operation
+        committed allocates nothing to reach it (only the first call, from
+        :meth:`attach`, and the first after the pool's queue was replaced do).
+
+        Raises:
+            MemoryError: only from those first calls.
+        """
+        queue = pool.free_block_queue
+        handle = self._handle
+        if handle is None or handle.queue is not queue:
+            handle = self._handle = queue.policy
+        return handle
 
     def attach(self, pool: Any) -> None:
         """Called once by ``BlockPool.__init__``, before the null block is popped:
-        set the free queue's order (``free_block_queue.set_allocation_order``)."""
+        set the free queue's order (``free_block_queue.policy.set_order``)."""
 
     def extend_table(self, pool: Any, num_blocks: int, manager: Any, request_id: str) -> list:
         """``get_new_blocks(num_blocks)`` for block table ``(manager, request_id)``
@@ -80,7 +96,7 @@ class AllocationPolicy:
 
     def restore_order(self, pool: Any) -> None:
         """``reset_free_block_queue_order()`` with no block in use: restore the
-        canonical order (blocks 1, 2, ... first)."""
+        canonical order (blocks 1, 2, ... first). Strong on ``MemoryError``."""
         pool.free_block_queue.rebuild_canonical()
 
 

@@ -60,7 +60,7 @@ class ContiguousPolicy(AllocationPolicy):
         self.extent_cap = max(1, int(num_gpu_blocks * EXTENT_CAP_FRACTION))
 
     def attach(self, pool: Any) -> None:
-        pool.free_block_queue.set_allocation_order("contiguous")
+        self.queue_policy(pool).set_order("contiguous")
 
     def extend_table(self, pool: Any, num_blocks: int, manager: Any, request_id: str) -> list:
         table = manager.req_to_blocks.get(request_id)
@@ -94,21 +94,34 @@ class ContiguousPolicy(AllocationPolicy):
         # moved whole, and one it could not move (no memory) stays where vLLM serves it
         # anyway, right behind the uncached segment.
         try:
-            pool.free_block_queue.absorb_unhashed_lru_front(
+            self.queue_policy(pool).absorb_unhashed_lru_front(
                 pool.cached_block_hashes_by_block, pool._reuse_watchers)
         except MemoryError:
             pass
 
     def after_free(self, pool: Any) -> None:
         # On idle (only the null block held) no table is live, so no extent is either.
+        # Runs after the free is done, so it never raises: without memory to reach the
+        # queue (only after the pool replaced it) the extents wait for the next idle
+        # moment (they are preferences).
         if pool._idle():
-            self._release_all(pool)
+            try:
+                self._release_all(self.queue_policy(pool))
+            except MemoryError:
+                pass
 
     def end_table(self, pool: Any, manager: Any, request_id: str) -> None:
+        # Runs after vLLM popped the table (its blocks are the caller's to free), so it
+        # never raises: without memory to reach the queue the extent stays reserved
+        # until the pool is next idle.
+        self.expected_tokens.pop(request_id, None)
+        try:
+            handle = self.queue_policy(pool)
+        except MemoryError:
+            return
         owner = self.table_owners.pop((id(manager), request_id), None)
         if owner is not None:
-            pool.free_block_queue.release_extent(owner)
-        self.expected_tokens.pop(request_id, None)
+            handle.release_extent(owner)
 
     def expect_tokens(self, request_id: str, num_tokens: int) -> None:
         self.expected_tokens[request_id] = num_tokens
@@ -116,23 +129,25 @@ class ContiguousPolicy(AllocationPolicy):
     def order_for_reset(self, pool: Any, reorder: bool) -> None:
         # Nothing will be cached any more: every free block uncached, sorted, which is
         # also what reset_free_block_queue_order() asks for; it would also drop the
-        # reserved ranges, as the next idle moment does.
+        # reserved ranges, as the next idle moment does. (The handle first: after the
+        # rebuild nothing may allocate.)
+        handle = self.queue_policy(pool)
         pool.free_block_queue.rebuild_canonical()
         if reorder:
-            self._release_all(pool)
+            self._release_all(handle)
 
     def restore_order(self, pool: Any) -> None:
-        queue = pool.free_block_queue
-        if queue.allocation_order == "contiguous":
-            queue.rebuild_uncached_canonical()
-            self._release_all(pool)
+        handle = self.queue_policy(pool)
+        if handle.order == "contiguous":
+            handle.rebuild_uncached_canonical()
+            self._release_all(handle)
         else:
             # A pool whose free_block_queue was replaced by a new queue, which keeps
             # vLLM's order and no segments.
-            queue.rebuild_canonical()
+            pool.free_block_queue.rebuild_canonical()
 
-    def _release_all(self, pool: Any) -> None:
-        pool.free_block_queue.release_all_extents()
+    def _release_all(self, handle: Any) -> None:
+        handle.release_all_extents()
         self.table_owners.clear()
 
 

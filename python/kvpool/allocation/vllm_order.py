@@ -26,7 +26,7 @@ class VllmOrderRestoreOnIdle(VllmOrder):
     back in ``block_id`` order (``KVPOOL_REORDER_ON_IDLE=1``)."""
 
     def attach(self, pool: Any) -> None:
-        pool.free_block_queue.set_allocation_order("segments")
+        self.queue_policy(pool).set_order("segments")
 
     def after_free(self, pool: Any) -> None:
         # Runs after the free is done, so it never raises: a reorder that finds no
@@ -34,7 +34,7 @@ class VllmOrderRestoreOnIdle(VllmOrder):
         # tries again).
         if pool._idle():
             try:
-                pool.free_block_queue.rebuild_uncached_canonical()
+                self.queue_policy(pool).rebuild_uncached_canonical()
             except MemoryError:
                 pass
 

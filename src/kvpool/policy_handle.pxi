@@ -1,0 +1,127 @@
+# Included by _core.pyx: FreeQueuePolicy, the allocation policy's handle on a
+# FreeKVCacheBlockQueue (free_block_queue.policy). The queue keeps vLLM's API; what
+# the allocation policies (python/kvpool/allocation/) change in it goes through here.
+
+# --------------------------------------------------------------------------------------
+# FreeQueuePolicy
+# --------------------------------------------------------------------------------------
+@cython.auto_pickle(False)
+cdef class FreeQueuePolicy:
+    """The allocation policy's side of a kvpool ``FreeKVCacheBlockQueue``
+    (``free_block_queue.policy``; docs/design.md, "Allocation policies"): the free list's
+    order mode, the contiguous order's per-table extents (``cpp/extent_reservations.h``)
+    and its plan for vLLM's own allocation loop. Every call acts on the queue at once.
+
+    Args:
+        queue: the ``FreeKVCacheBlockQueue`` (not None).
+    """
+
+    cdef FreeKVCacheBlockQueue _queue
+
+    def __cinit__(self, FreeKVCacheBlockQueue queue not None):
+        self._queue = queue
+
+    @property
+    def queue(self):
+        """The queue this handle acts on."""
+        return self._queue
+
+    @property
+    def order(self):
+        """``"vllm"`` (vLLM's order, the default), ``"segments"`` (vLLM's order, each free
+        block remembering whether it is in the uncached or the LRU segment) or
+        ``"contiguous"`` (uncached blocks kept sorted, served by position)."""
+        return _ORDER_NAMES[<int>self._queue._list.order()]
+
+    def set_order(self, str order):
+        """Switch the order (see :attr:`order`). Leaving ``"vllm"`` treats every free
+        block as uncached, so switch on a queue that was never used (a pool sets it at
+        construction).
+
+        Raises:
+            ValueError: an unknown order, or a queue whose slots are not in block-id
+                order (only a pool's queue, whose slot is the block id, can order by
+                position).
+        """
+        cdef int code
+        if order not in _ORDER_NAMES:
+            raise ValueError(f"unknown allocation order {order!r}; choose from {_ORDER_NAMES}")
+        code = _ORDER_NAMES.index(order)
+        if code != <int>ORDER_VLLM and not self._queue._ids_ascending:
+            raise ValueError("an allocation order needs a queue whose blocks were registered "
+                             "in ascending block_id order (a pool's queue)")
+        self._queue._list.set_order(<Order>code)
+
+    def rebuild_uncached_canonical(self):
+        """Relink the uncached segment (blocks freed without a hash, never-used blocks)
+        in ascending ``block_id`` order; the LRU segment (blocks freed with a hash or
+        released by ``unpin``) keeps its order behind it. O(num_blocks).
+
+        Raises:
+            BlockStateError: the queue does not track its segments (order ``"vllm"``).
+        """
+        try:
+            self._queue._list.rebuild_uncached_canonical()
+        except ValueError as e:
+            raise BlockStateError(str(e)) from None
+
+    def absorb_unhashed_lru_front(self, dict cached_block_hashes_by_block, dict reuse_watchers):
+        """Contiguous order: move the LRU segment's leading blocks that hold no
+        prefix-cache hash (``block_hash`` None, no entry in
+        ``cached_block_hashes_by_block``) and no reuse watcher into the sorted uncached
+        segment. vLLM hands those out right after the uncached blocks and before the
+        first cached one, exactly as the uncached segment is served, so which cached
+        blocks are hit or evicted, and when, does not change. Block id = slot (a pool's
+        queue).
+
+        Returns:
+            Number of blocks moved (int).
+        """
+        cdef FreeKVCacheBlockQueue queue = self._queue
+        cdef int32_t slot
+        cdef Py_ssize_t moved = 0
+        cdef KVCacheBlock b
+        if queue._list.order() != ORDER_CONTIGUOUS:
+            return 0
+        while True:
+            slot = queue._list.lru_front()
+            if slot < 0:
+                break
+            o = <object>PyList_GET_ITEM(queue._blocks, slot)
+            if o is not None:
+                b = <KVCacheBlock>o
+                if b._block_hash is not None:
+                    break
+                if cached_block_hashes_by_block and slot in cached_block_hashes_by_block:
+                    break
+            if reuse_watchers and slot in reuse_watchers:
+                break
+            queue._list.make_uncached(slot)
+            moved += 1
+        return moved
+
+    def set_plan(self, int32_t hint, int32_t owner, int32_t want):
+        """Contiguous order: the queue's next ``popleft_n`` takes its blocks for the
+        table of ``owner`` (an int > 0) that continues at block ``hint`` (-1: a new
+        table) and expects ``want`` more blocks, as ``FreeBlockList::take`` chooses
+        them. Used when vLLM's own allocation loop runs (reuse watchers, a metrics
+        collector); one call only. ``set_plan(-1, 0, 0)`` withdraws it."""
+        self._queue._plan_hint, self._queue._plan_owner, self._queue._plan_want = hint, owner, want
+
+    def release_extent(self, int32_t owner):
+        """Forget the block ranges reserved for ``owner`` (contiguous order)."""
+        self._queue._list.release(owner)
+
+    def release_all_extents(self):
+        """Forget every reserved block range (contiguous order)."""
+        self._queue._list.release_all()
+
+    @property
+    def num_reserved_owners(self):
+        """Owners (request, KV cache group) holding a reserved block range."""
+        return self._queue._list.num_reserved_owners()
+
+    @property
+    def num_uncached_free(self):
+        """Free blocks of the uncached segment (contiguous order; 0 otherwise)."""
+        return self._queue._list.uncached().count()
