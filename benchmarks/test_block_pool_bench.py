@@ -18,7 +18,7 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvpool import FencedDeferredFreeQueue, allocation
-from kvpool import deferred_free as kv_deferred
+from kvpool.patches import deferred_free as kv_deferred
 from kvpool.block_pool import BlockPool as KvpoolBlockPool
 
 NUM_BLOCKS = 85_000

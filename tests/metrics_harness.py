@@ -12,9 +12,9 @@ installs before that). Prints one JSON object:
 - ``after_uninstall``: whether vLLM's classes are back.
 
 Usage: ``python tests/metrics_harness.py {kvpool|fake} [--contiguous]``. ``kvpool``:
-``kvpool.install()`` (``kvpool.metrics`` applied by it when listed in ``PATCH_MODULES``,
+``kvpool.install()`` (``kvpool.patches.metrics`` applied by it when listed in ``PATCH_MODULES``,
 else here). ``fake``: vLLM's own pool, given a ``fragmentation_stats`` computed in
-Python, and only ``kvpool.metrics.apply`` (needs no native build).
+Python, and only ``kvpool.patches.metrics.apply`` (needs no native build).
 """
 
 from __future__ import annotations
@@ -118,12 +118,12 @@ def main() -> int:
             import kvpool
 
             kvpool.install(**({"allocation": "contiguous"} if contiguous else {}))
-            if "kvpool.metrics" not in patching.PATCH_MODULES:
-                from kvpool import metrics
+            if "kvpool.patches.metrics" not in patching.PATCH_MODULES:
+                from kvpool.patches import metrics
 
                 metrics.apply(patching.Patcher(patching._state))
         else:
-            from kvpool import metrics
+            from kvpool.patches import metrics
 
             state = patching._InstallState(vllm_version="harness", vanilla={})
             metrics.apply(patching.Patcher(state))
@@ -140,7 +140,7 @@ def main() -> int:
         from vllm.v1.metrics.loggers import StatLoggerManager
         from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-        from kvpool.metrics import STATS_FIELD
+        from kvpool.patches.metrics import STATS_FIELD
 
         scheduler.__dict__.pop("_kvpool_metrics_due", None)
         stats = scheduler.make_stats()

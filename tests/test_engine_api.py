@@ -1,4 +1,4 @@
-"""The free-queue reorder API at every layer of vLLM 0.33.0 (``kvpool.engine_api``).
+"""The free-queue reorder API at every layer of vLLM 0.33.0 (``kvpool.patches.engine_api``).
 
 How real each layer is (see also docs/reorder-api.md):
 
@@ -164,7 +164,7 @@ def _scramble_pool(pool, rng: random.Random) -> None:
 
 
 def test_unitary_coordinator_reorder_restores_block_id_order():
-    from kvpool.engine_api import coordinator_block_pools
+    from kvpool.patches.engine_api import coordinator_block_pools
     from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
@@ -181,7 +181,7 @@ def test_unitary_coordinator_reorder_restores_block_id_order():
 
 def test_full_plus_sliding_window_hybrid_shares_one_pool_and_reorders_it():
     import torch
-    from kvpool.engine_api import coordinator_block_pools
+    from kvpool.patches.engine_api import coordinator_block_pools
     from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec
 
@@ -219,7 +219,7 @@ def _hisparse_manager():
 
 
 def test_hisparse_coordinator_reorders_device_and_host_pools():
-    from kvpool.engine_api import coordinator_block_pools
+    from kvpool.patches.engine_api import coordinator_block_pools
 
     manager = _hisparse_manager()
     device, host = coordinator_block_pools(manager.coordinator)
@@ -234,7 +234,7 @@ def test_hisparse_coordinator_reorders_device_and_host_pools():
 
 
 def test_coordinator_refuses_without_touching_any_pool_while_one_pool_holds_a_block():
-    from kvpool.engine_api import coordinator_block_pools
+    from kvpool.patches.engine_api import coordinator_block_pools
 
     manager = _hisparse_manager()
     device, host = coordinator_block_pools(manager.coordinator)
@@ -889,7 +889,7 @@ def test_uninstall_removes_the_api_and_restores_vllm_methods():
 def test_help_shows_each_layers_own_docstring_on_the_vllm_class():
     import pydoc
 
-    from kvpool.engine_api import LAYERS, _owner
+    from kvpool.patches.engine_api import LAYERS, _owner
 
     for layer in LAYERS:
         owner = _owner(layer.owner)

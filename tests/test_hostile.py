@@ -138,7 +138,7 @@ def test_a_subclass_that_skips_init_runs_like_it_does_on_vllm():
                 call()
         assert issubclass(NotAKvpoolPoolError, TypeError) and issubclass(NotAKvpoolPoolError, kvpool.KvpoolError)
         # kvpool's /metrics hook treats it as vLLM's own pool: no samples, no error.
-        from kvpool.metrics import pool_snapshot
+        from kvpool.patches.metrics import pool_snapshot
         assert pool_snapshot(scheduler, now=1e9) is None
     finally:
         kvpool.uninstall()

@@ -290,7 +290,7 @@ def test_free_ready_refuses_a_pool_without_a_kvpool_queue():
 def test_the_scheduler_drain_uses_a_subclass_override_of_free_blocks(installed):
     """A pool subclass that overrides free_blocks sees every deferred free (the
     native drain is only taken for kvpool's own free_blocks)."""
-    from kvpool import deferred_free
+    from kvpool.patches import deferred_free
 
     calls = []
 

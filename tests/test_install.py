@@ -136,9 +136,9 @@ def test_failed_patch_leaves_vllm_untouched(monkeypatch):
     def boom(patcher):
         raise RuntimeError("boom")
 
-    import kvpool.engine_api as engine_api  # noqa: F401 - make sure it is importable
+    import kvpool.patches.engine_api as engine_api  # noqa: F401 - make sure it is importable
 
-    monkeypatch.setattr(patching, "PATCH_MODULES", ("kvpool.deferred_free", "tests_fake_patch"))
+    monkeypatch.setattr(patching, "PATCH_MODULES", ("kvpool.patches.deferred_free", "tests_fake_patch"))
     fake = type(sys)("tests_fake_patch")
     fake.apply = boom
     monkeypatch.setitem(sys.modules, "tests_fake_patch", fake)
@@ -214,9 +214,9 @@ def test_forced_untested_vllm_skips_what_it_lacks_with_one_warning_and_installs_
     try:
         warnings = [r.getMessage() for r in caplog.records if "not patched" in r.getMessage()]
         assert len(warnings) == 1, warnings
-        assert "kvpool.engine_api" in warnings[0] and "KVCacheCoordinator defines no reset_prefix_cache()" in warnings[0]
+        assert "kvpool.patches.engine_api" in warnings[0] and "KVCacheCoordinator defines no reset_prefix_cache()" in warnings[0]
         assert "untested vLLM 0.29.0" in warnings[0]
-        assert list(patching.skipped_patches()) == ["kvpool.engine_api"]
+        assert list(patching.skipped_patches()) == ["kvpool.patches.engine_api"]
         # engine_api's changes made before the missing method were taken back ...
         assert not hasattr(KVCacheCoordinator, "reset_free_block_queue_order")
         # ... and the rest installed: the classes and the other patch modules.
@@ -263,9 +263,9 @@ def test_forced_untested_vllm_skips_a_patch_whose_replacement_calls_a_missing_he
     free = Scheduler.__dict__["_free_request_blocks"]
     assert kvpool.install(force=True) is True
     try:
-        assert "kvpool.deferred_free" in patching.skipped_patches()
-        assert "_request_blocks_can_be_freed" in patching.skipped_patches()["kvpool.deferred_free"]
+        assert "kvpool.patches.deferred_free" in patching.skipped_patches()
+        assert "_request_blocks_can_be_freed" in patching.skipped_patches()["kvpool.patches.deferred_free"]
         assert Scheduler.__dict__["_free_request_blocks"] is free
-        assert "kvpool.engine_api" not in patching.skipped_patches()
+        assert "kvpool.patches.engine_api" not in patching.skipped_patches()
     finally:
         kvpool.uninstall()

@@ -1,4 +1,4 @@
-"""kvpool's block-pool metrics on vLLM's ``/metrics`` (``kvpool.metrics``, docs/metrics.md).
+"""kvpool's block-pool metrics on vLLM's ``/metrics`` (``kvpool.patches.metrics``, docs/metrics.md).
 
 A real ``vllm serve`` cannot start on this CPU environment (vLLM is installed without
 its CPU kernels and there are no weights), so the end-to-end tests run
@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvpool
-from kvpool import metrics
+from kvpool.patches import metrics
 
 REPO = Path(__file__).resolve().parents[1]
 LABELS = {"model_name": "Qwen/Qwen3-0.6B", "engine": "0"}
@@ -63,7 +63,7 @@ def _assert_exported(text: str, snapshot: dict[str, float]) -> None:
 
 
 def test_pool_metrics_travel_from_make_stats_through_msgpack_to_the_metrics_route():
-    """vLLM's own pool given a Python ``fragmentation_stats``: only ``kvpool.metrics``
+    """vLLM's own pool given a Python ``fragmentation_stats``: only ``kvpool.patches.metrics``
     is applied (no native build needed), and uninstalling it restores vLLM."""
     rep = _harness("fake", disable_plugin=True)
     snap = rep["snapshot"]

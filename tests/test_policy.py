@@ -233,7 +233,7 @@ def test_contiguous_policy_runs_its_manager_hook_and_policy(monkeypatch):
     # The policy that needs to know the table does pay: its hook and its extend_table.
     chain = _frames_between_manager_and_native_call("contiguous", monkeypatch)
     assert chain == [
-        "kvpool.allocation.manager_hooks:wrapper",  # around allocate_new_blocks
+        "kvpool.patches.manager_hooks:wrapper",  # around allocate_new_blocks
         "kvpool.block_pool:get_new_blocks",
         "kvpool.allocation.contiguous:extend_table",
         "kvpool.block_pool:_take",

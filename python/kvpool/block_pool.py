@@ -268,7 +268,7 @@ class BlockPool(VllmBlockPool):
             self._policy.end_table(self, manager, request_id)
 
     def _after_free(self) -> None:
-        # Blocks were freed (also by a drained deferred free: kvpool.deferred_free).
+        # Blocks were freed (also by a drained deferred free: kvpool.patches.deferred_free).
         self._policy.after_free(self)
 
     def free_blocks(self, ordered_blocks) -> None:

@@ -64,10 +64,10 @@ _state: _InstallState | None = None
 #: Modules with an ``apply(patcher: Patcher) -> None`` run by ``install()`` after the
 #: classes are bound, in this order.
 PATCH_MODULES: tuple[str, ...] = (
-    "kvpool.allocation.manager_hooks",
-    "kvpool.deferred_free",
-    "kvpool.metrics",
-    "kvpool.engine_api",
+    "kvpool.patches.manager_hooks",
+    "kvpool.patches.deferred_free",
+    "kvpool.patches.metrics",
+    "kvpool.patches.engine_api",
 )
 
 

@@ -38,7 +38,7 @@ class VllmRelease:
             ``reset_prefix_cache_async`` resets every data-parallel engine (>= 0.32.0).
             Before, vLLM's reset reaches one engine (all with the load-balancing
             client); kvpool's reorder then sends its call to every engine itself
-            (``kvpool.engine_api``).
+            (``kvpool.patches.engine_api``).
     """
 
     version: str

@@ -16,7 +16,7 @@ and for ``install()`` without the argument):
   vLLM's exact order. Which cached blocks are hit or evicted, in which order, the KV
   events and the preemptions are vLLM's; only the ids of uncached allocations differ
   (docs/design.md, "Allocation policies"). It is the one policy that needs the
-  single-type managers' hooks (:mod:`kvpool.allocation.manager_hooks`).
+  single-type managers' hooks (:mod:`kvpool.patches.manager_hooks`).
 
 The interface every policy implements is :class:`~kvpool.allocation.base.AllocationPolicy`;
 ``BlockPool`` calls its hooks unconditionally (the null policy's do nothing).
@@ -92,7 +92,7 @@ def new_policy(num_gpu_blocks: int, name: str | None = None) -> AllocationPolicy
 
 
 def needs_manager_hooks(name: str) -> bool:
-    """True when policy ``name`` needs :mod:`kvpool.allocation.manager_hooks`."""
+    """True when policy ``name`` needs :mod:`kvpool.patches.manager_hooks`."""
     return POLICY_CLASSES[resolve(name)].manager_hooks
 
 

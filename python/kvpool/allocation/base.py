@@ -31,7 +31,7 @@ class AllocationPolicy:
     #: The name ``install(allocation=...)`` takes (``kvpool.allocation.POLICIES``).
     name: ClassVar[str] = "vllm"
     #: True: the policy needs the single-type managers' hooks
-    #: (:mod:`kvpool.allocation.manager_hooks`) to know which block table an
+    #: (:mod:`kvpool.patches.manager_hooks`) to know which block table an
     #: allocation extends; ``install()`` installs them only then.
     manager_hooks: ClassVar[bool] = False
 

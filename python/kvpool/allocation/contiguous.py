@@ -14,7 +14,7 @@ LRU segment's leading blocks without a hash or a reuse watcher.
 Per-request extents: every allocation made for a request's block table (the
 single-type managers' ``allocate_new_blocks`` / ``allocate_external_computed_blocks``,
 one table per request and KV cache group, told to the pool by
-:mod:`kvpool.allocation.manager_hooks`) continues the table at its last block id + 1
+:mod:`kvpool.patches.manager_hooks`) continues the table at its last block id + 1
 when that block is free, and places a table's first new run where its *expected
 growth* fits without entering another live table's reserved extent:
 ``cdiv(num_prompt_tokens + max_tokens, block_size)`` minus the blocks the table

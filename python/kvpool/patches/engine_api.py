@@ -449,7 +449,7 @@ def _patch_dev_cache_router(patcher: Any) -> None:
 
     def attach_router(app) -> None:
         """vLLM's ``attach_router`` for the dev-mode cache routes, with kvpool's
-        reorder routes (``kvpool.engine_api.build_dev_cache_router``)."""
+        reorder routes (``kvpool.patches.engine_api.build_dev_cache_router``)."""
         app.include_router(build_dev_cache_router(api_router.router, api_router.engine_client))
 
     attach_router.__module__ = __name__
