@@ -40,3 +40,27 @@ def test_no_comprehension_in_the_extension():
             if pattern.search(code):
                 found.append(f"{path.name}:{lineno}: {line.strip()}")
     assert not found, "comprehensions in the extension:\n" + "\n".join(found)
+
+
+#: The size limits of the Python package (issue 15): a module a reader can hold, a
+#: function that fits a screen. The native hot loops live in src/ and are not counted.
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def test_python_modules_and_functions_stay_small():
+    import ast
+
+    package = ROOT / "python" / "kvpool"
+    too_long = []
+    for path in sorted(package.rglob("*.py")):
+        source = path.read_text()
+        name = path.relative_to(ROOT)
+        if len(source.splitlines()) > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source, str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{name}:{node.lineno} {node.name}(): {length} lines")
+    assert not too_long, "over the limits:\n" + "\n".join(too_long)

@@ -228,28 +228,7 @@ def install(*, force: bool = False, allocation: str | None = None) -> bool:
         try:
             _rebind_names(state, replacements)
             _rebase_subclasses(state, replacements)
-            patcher = Patcher(state)
-            for modname in PATCH_MODULES:
-                try:
-                    module = importlib.import_module(modname)
-                except ModuleNotFoundError as e:
-                    if e.name != modname:
-                        raise
-                    continue  # an optional patch module not shipped in this build
-                mark = len(state.attrs)
-                try:
-                    module.apply(patcher)
-                except (MissingPatchTargetError, ImportError, AttributeError) as e:
-                    if not untested:
-                        raise
-                    # An untested release lacks what this module patches: take its
-                    # changes back and install the rest.
-                    _undo_attrs(state.attrs[mark:])
-                    del state.attrs[mark:]
-                    state.skipped[modname] = f"{type(e).__name__}: {e}"
-                    logger.warning(
-                        "kvpool: %s not patched into untested vLLM %s (%s: %s); the rest of kvpool "
-                        "is installed", modname, version, type(e).__name__, e)
+            _apply_patch_modules(state, untested)
         except BaseException:
             _undo(state)
             raise
@@ -257,6 +236,35 @@ def install(*, force: bool = False, allocation: str | None = None) -> bool:
         _allocation.set_policy(policy)
         logger.debug("kvpool installed into vLLM %s (allocation=%s)", version, policy)
         return True
+
+
+def _apply_patch_modules(state: _InstallState, untested: bool) -> None:
+    """Run every module of :data:`PATCH_MODULES` through one :class:`Patcher`. On an
+    untested vLLM (``untested``) a module whose targets are missing is taken back and
+    skipped (``state.skipped``, one warning naming it); otherwise its error propagates
+    (``install()`` then undoes everything)."""
+    patcher = Patcher(state)
+    for modname in PATCH_MODULES:
+        try:
+            module = importlib.import_module(modname)
+        except ModuleNotFoundError as e:
+            if e.name != modname:
+                raise
+            continue  # an optional patch module not shipped in this build
+        mark = len(state.attrs)
+        try:
+            module.apply(patcher)
+        except (MissingPatchTargetError, ImportError, AttributeError) as e:
+            if not untested:
+                raise
+            # An untested release lacks what this module patches: take its changes
+            # back and install the rest.
+            _undo_attrs(state.attrs[mark:])
+            del state.attrs[mark:]
+            state.skipped[modname] = f"{type(e).__name__}: {e}"
+            logger.warning(
+                "kvpool: %s not patched into untested vLLM %s (%s: %s); the rest of kvpool "
+                "is installed", modname, state.vllm_version, type(e).__name__, e)
 
 
 def _undo_attrs(attrs: list[tuple[Any, str, Any]]) -> None:

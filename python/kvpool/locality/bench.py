@@ -118,6 +118,20 @@ class _Timer:
         return start.elapsed_time(end) / 1e3
 
 
+def _kv_caches(g: Geometry, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pair per layer, ``(num_blocks, block_size, num_kv_heads, head_size)``
+    each, filled with finite random values (they do not matter for timing)."""
+    caches = []
+    for _ in range(g.num_layers):
+        shape = (g.num_blocks, g.block_size, g.num_kv_heads, g.head_size)
+        k = torch.empty(shape, dtype=dtype, device=device)
+        v = torch.empty(shape, dtype=dtype, device=device)
+        for t in (k, v):
+            t.normal_()
+        caches.append((k, v))
+    return caches
+
+
 def run(
     geometry: Geometry,
     batches: Sequence[Batch],
@@ -150,14 +164,7 @@ def run(
     dtype = DTYPES[g.dtype]
     gen = torch.Generator(device="cpu").manual_seed(seed)
     log(f"filling {g.num_layers} layer(s) of K/V: {g.bytes_per_layer() / 2**30:.2f} GiB per layer")
-    caches = []
-    for _ in range(g.num_layers):
-        shape = (g.num_blocks, g.block_size, g.num_kv_heads, g.head_size)
-        k = torch.empty(shape, dtype=dtype, device=device)
-        v = torch.empty(shape, dtype=dtype, device=device)
-        for t in (k, v):
-            t.normal_()  # values do not matter for timing; finite ones do
-        caches.append((k, v))
+    caches = _kv_caches(g, dtype, device)
     timer = _Timer(device)
     out: list[Timing] = []
     for batch in batches:

@@ -174,6 +174,17 @@ def figure(report: dict[str, Any]):
     return fig
 
 
+def _report(bench, device, kernel: str, geometry, config: dict, timings) -> dict:
+    """The JSON report of one run (docs/locality.md)."""
+    return {
+        "device": bench.device_info(device),
+        "kernel": kernel,
+        "geometry": bench.geometry_json(geometry),
+        "config": config,
+        "results": bench.results_json(timings),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -230,22 +241,17 @@ def main(argv: list[str] | None = None) -> int:
     except (argparse.ArgumentTypeError, LayoutError, ValueError, OSError) as e:
         print(f"python -m kvpool locality: error: {e}", file=sys.stderr)
         return 2
-    report = {
-        "device": bench.device_info(device),
-        "kernel": kernel,
-        "geometry": bench.geometry_json(geometry),
-        "config": {
-            "layouts": layouts,
-            "replay_tables": str(replay_path) if replay_orders else None,
-            "warmup": warmup,
-            "reps": reps,
-            "seed": args.seed,
-            "check_tol": args.check_tol if args.check else None,
-            "argv": ["python", "-m", "kvpool", "locality", *(sys.argv[2:] if argv is None else argv)],
-            "wall_s": time.perf_counter() - t_start,
-        },
-        "results": bench.results_json(timings),
+    config = {
+        "layouts": layouts,
+        "replay_tables": str(replay_path) if replay_orders else None,
+        "warmup": warmup,
+        "reps": reps,
+        "seed": args.seed,
+        "check_tol": args.check_tol if args.check else None,
+        "argv": ["python", "-m", "kvpool", "locality", *(sys.argv[2:] if argv is None else argv)],
+        "wall_s": time.perf_counter() - t_start,
     }
+    report = _report(bench, device, kernel, geometry, config, timings)
     print(render_table(report))
     bad = [r for r in report["results"]
            if r["max_abs_diff_vs_reference"] is not None and not r["max_abs_diff_vs_reference"] <= args.check_tol]
