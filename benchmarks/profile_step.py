@@ -1,0 +1,117 @@
+"""Where a scheduler step's CPU goes: py-spy over the replay, one mode per process.
+
+    python benchmarks/profile_step.py [--workload serving] [--rounds 4] [--rate 400]
+        [--modes vanilla,kvpool,kvpool+contiguous] [--top 12] [--keep DIR]
+
+For each mode, runs ``python -m kvpool replay --workload W --modes MODE --rounds R
+--no-plot --quiet`` under ``py-spy record --format raw`` (py-spy from the package
+index: ``pip install py-spy``), keeps only the samples inside vLLM's
+``Scheduler.schedule()`` / ``Scheduler.update_from_output()`` (the engine step), and
+prints per mode the share of those samples
+
+* under ``vllm/v1/core/kv_cache_manager.py`` (``KVCacheManager.*``: the coordinator,
+  the single-type managers and the pool below it);
+* whose leaf frame is kvpool's Python (Cython's frames are attributed to their Python
+  caller, so the native pool calls count here);
+* of the ``--top`` leaf functions.
+
+Shares, not times, are compared (the machine may be shared). docs/performance.md,
+"The scheduler step", gives the table this prints and the commit it was measured at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^:()]+)(?::\d+)?\)$")
+STEP_FUNCS = {"schedule", "update_from_output"}
+
+
+def parse_frame(frame: str) -> tuple[str, str]:
+    """``"schedule (vllm/v1/core/sched/scheduler.py:412)"`` -> (function, file)."""
+    m = FRAME.match(frame.strip())
+    return (m["func"], m["file"]) if m else (frame.strip(), "")
+
+
+def step_shares(raw_lines, top: int = 12) -> dict:
+    """Shares of the step samples in py-spy's raw (collapsed) output.
+
+    Args:
+        raw_lines: lines ``frame;frame;...;leaf COUNT`` (root first).
+    Returns:
+        ``{"step_samples", "under_manager", "kvpool_leaf", "top": [(leaf, share)]}``,
+        shares as fractions of the step samples.
+    """
+    step = manager = kvpool = 0
+    leaves: collections.Counter[str] = collections.Counter()
+    for line in raw_lines:
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = [parse_frame(f) for f in stack.split(";")]
+        n = int(count)
+        if not any(func in STEP_FUNCS and file.endswith("sched/scheduler.py") for func, file in frames):
+            continue
+        step += n
+        if any(file.endswith("v1/core/kv_cache_manager.py") for _, file in frames):
+            manager += n
+        func, file = frames[-1]
+        if "kvpool" in Path(file).parts:
+            kvpool += n
+        leaves[f"{func} ({Path(file).name})"] += n
+    share = (lambda k: k / step) if step else (lambda k: 0.0)
+    return {
+        "step_samples": step,
+        "under_manager": share(manager),
+        "kvpool_leaf": share(kvpool),
+        "top": [(leaf, share(k)) for leaf, k in leaves.most_common(top)],
+    }
+
+
+def profile(mode: str, workload: str, rounds: int, rate: int, out: Path) -> Path:
+    """Record one replay of ``mode`` with py-spy; returns the raw file."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    raw = out / f"{mode.replace('+', '_')}.txt"
+    cmd = [py_spy, "record", "--rate", str(rate), "--format", "raw", "--output", str(raw), "--",
+           sys.executable, "-m", "kvpool", "replay", "--workload", workload, "--modes", mode,
+           "--rounds", str(rounds), "--no-plot", "--quiet"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
+                   env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"))
+    return raw
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="serving")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rate", type=int, default=400, help="samples per second")
+    parser.add_argument("--modes", default="vanilla,kvpool,kvpool+contiguous")
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--keep", help="keep the raw profiles in this folder")
+    args = parser.parse_args(argv)
+    out = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="kvpool-profile-"))
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for mode in args.modes.split(","):
+        raw = profile(mode, args.workload, args.rounds, args.rate, out)
+        results[mode] = step_shares(raw.read_text().splitlines(), args.top)
+    for mode, r in results.items():
+        print(f"== {mode}: {r['step_samples']} step samples; under KVCacheManager "
+              f"{r['under_manager']:.1%}; kvpool's Python as the leaf {r['kvpool_leaf']:.1%}")
+        for leaf, share in r["top"]:
+            print(f"   {share:6.1%}  {leaf}")
+    if not args.keep:
+        shutil.rmtree(out, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
