@@ -269,3 +269,31 @@ def test_forced_untested_vllm_skips_a_patch_whose_replacement_calls_a_missing_he
         assert "kvpool.patches.engine_api" not in patching.skipped_patches()
     finally:
         kvpool.uninstall()
+
+
+def test_a_vllm_module_imported_while_installed_gets_vllm_s_classes_back(monkeypatch):
+    # A vLLM module first imported while kvpool is installed binds kvpool's classes and
+    # subclasses kvpool's BlockPool; uninstall() gives it vLLM's, as to one imported
+    # before install(). (Once: such bindings outlived uninstall(), so a later test in
+    # the same process saw kvpool's classes in vLLM's modules.)
+    import types
+
+    vanilla = patching.vanilla_classes()
+    kvpool.install()
+    try:
+        late = types.ModuleType("vllm._kvpool_late_import")
+        monkeypatch.setitem(sys.modules, late.__name__, late)
+        exec(textwrap.dedent("""
+            from vllm.v1.core.block_pool import BlockPool
+            from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+            class LatePool(BlockPool):
+                pass
+        """), late.__dict__)
+        late.LatePool.__module__ = late.__name__
+        assert late.BlockPool is kvpool.BlockPool and late.KVCacheBlock is kvpool.KVCacheBlock
+    finally:
+        kvpool.uninstall()
+    assert late.BlockPool is vanilla["BlockPool"] and late.KVCacheBlock is vanilla["KVCacheBlock"]
+    assert late.LatePool.__bases__ == (vanilla["BlockPool"],)
+    assert all(v is vanilla[k[1]] for k, v in _bound_names().items())

@@ -284,6 +284,30 @@ def _undo(state: _InstallState) -> None:
         cls.__bases__ = old_bases
     for module, attr, old in reversed(state.rebound):
         setattr(module, attr, old)
+    _unbind_late_imports(state)
+
+
+def _unbind_late_imports(state: _InstallState) -> None:
+    """vLLM modules first imported while kvpool was installed bound kvpool's classes
+    (``from vllm.v1.core.block_pool import BlockPool`` then found kvpool's), and vLLM
+    classes defined then subclass kvpool's ``BlockPool``: give them vLLM's back too,
+    as if they had been imported before ``install()``."""
+    replacements = _replacements()
+    vanilla_of = {id(new): (new, state.vanilla[name]) for name, new in replacements.items()}
+    ours_pool, vanilla_pool = replacements["BlockPool"], state.vanilla["BlockPool"]
+    for modname, module in list(sys.modules.items()):
+        if module is None or not (modname == "vllm" or modname.startswith("vllm.")):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not namespace:
+            continue
+        for attr, value in list(namespace.items()):
+            hit = vanilla_of.get(id(value))
+            if hit is not None and value is hit[0]:
+                setattr(module, attr, hit[1])
+    for cls in list(ours_pool.__subclasses__()):
+        if cls.__module__ == "vllm" or cls.__module__.startswith("vllm."):
+            cls.__bases__ = tuple(vanilla_pool if base is ours_pool else base for base in cls.__bases__)
 
 
 def uninstall() -> bool:
