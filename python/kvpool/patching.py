@@ -147,19 +147,25 @@ def _replacements() -> dict[str, Any]:
     }
 
 
-def _rebind_names(state: _InstallState, replacements: dict[str, Any]) -> None:
-    by_id = {id(state.vanilla[name]): (name, new) for name, new in replacements.items()}
+def _vllm_bindings():
+    """``(module, attr, value)`` of every global of every imported vLLM module (a
+    snapshot: the caller may rebind while it iterates)."""
     for modname, module in list(sys.modules.items()):
         if module is None or not (modname == "vllm" or modname.startswith("vllm.")):
             continue
         namespace = getattr(module, "__dict__", None)
-        if not namespace:
-            continue
-        for attr, value in list(namespace.items()):
-            hit = by_id.get(id(value))
-            if hit is not None and value is state.vanilla[hit[0]]:
-                state.rebound.append((module, attr, value))
-                setattr(module, attr, hit[1])
+        if namespace:
+            for attr, value in list(namespace.items()):
+                yield module, attr, value
+
+
+def _rebind_names(state: _InstallState, replacements: dict[str, Any]) -> None:
+    by_id = {id(state.vanilla[name]): (name, new) for name, new in replacements.items()}
+    for module, attr, value in _vllm_bindings():
+        hit = by_id.get(id(value))
+        if hit is not None and value is state.vanilla[hit[0]]:
+            state.rebound.append((module, attr, value))
+            setattr(module, attr, hit[1])
 
 
 def _rebase_subclasses(state: _InstallState, replacements: dict[str, Any]) -> None:
@@ -295,16 +301,10 @@ def _unbind_late_imports(state: _InstallState) -> None:
     replacements = _replacements()
     vanilla_of = {id(new): (new, state.vanilla[name]) for name, new in replacements.items()}
     ours_pool, vanilla_pool = replacements["BlockPool"], state.vanilla["BlockPool"]
-    for modname, module in list(sys.modules.items()):
-        if module is None or not (modname == "vllm" or modname.startswith("vllm.")):
-            continue
-        namespace = getattr(module, "__dict__", None)
-        if not namespace:
-            continue
-        for attr, value in list(namespace.items()):
-            hit = vanilla_of.get(id(value))
-            if hit is not None and value is hit[0]:
-                setattr(module, attr, hit[1])
+    for module, attr, value in _vllm_bindings():
+        hit = vanilla_of.get(id(value))
+        if hit is not None and value is hit[0]:
+            setattr(module, attr, hit[1])
     for cls in list(ours_pool.__subclasses__()):
         if cls.__module__ == "vllm" or cls.__module__.startswith("vllm."):
             cls.__bases__ = tuple(vanilla_pool if base is ours_pool else base for base in cls.__bases__)
