@@ -49,7 +49,8 @@ def fake_fragmentation_stats(pool):
         runs, longest = free_runs(ids)
         return {"free_blocks": len(ids), "free_runs": runs, "largest_free_run": longest,
                 "table_pairs": 10, "table_contiguity": 0.7, "descending_fraction": 0.2,
-                "mean_run_length": 3.5}
+                "mean_run_length": 3.5, "table_descriptors": 7, "tables_freed": 4,
+                "mean_descriptors_per_table": 1.75}
     return fragmentation_stats
 
 

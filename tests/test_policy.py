@@ -153,7 +153,8 @@ def test_fragmentation_stats_window_and_free_runs():
         allocation.set_policy("vllm")
     stats = pool.fragmentation_stats()
     assert stats == {"free_blocks": 31, "free_runs": 1, "largest_free_run": 31, "table_pairs": 0,
-                     "table_contiguity": 1.0, "descending_fraction": 0.0, "mean_run_length": 0.0}
+                     "table_contiguity": 1.0, "descending_fraction": 0.0, "mean_run_length": 0.0,
+                     "table_descriptors": 0, "tables_freed": 0, "mean_descriptors_per_table": 0.0}
     held = pool.get_new_blocks(6)
     pool.free_blocks([held[1], held[3]])
     stats = pool.fragmentation_stats()

@@ -446,7 +446,13 @@ class BlockPool(VllmBlockPool):
             the window (null blocks and other pools' blocks left out):
             ``table_pairs`` (adjacent pairs), ``table_contiguity`` (fraction of pairs
             with next id = previous + 1; 1.0 without pairs), ``descending_fraction``
-            (previous - 1), and ``mean_run_length`` (blocks per ascending run).
+            (previous - 1), ``mean_run_length`` (blocks per ascending run),
+            ``table_descriptors`` (ascending runs, summed over the tables: what a
+            KV transfer that coalesces only ascending consecutive ids, such as
+            NIXL's, posts per memory region for them; vLLM PR #55841),
+            ``tables_freed`` (freed tables with at least one counted block; one
+            per request and KV cache group, each preemption's free included) and
+            ``mean_descriptors_per_table`` (0.0 without a table).
             O(num_gpu_blocks).
         Raises:
             NotAKvpoolPoolError: a pool kvpool did not build (see the module docstring).
@@ -454,7 +460,10 @@ class BlockPool(VllmBlockPool):
         self._require_native("fragmentation_stats()")
         runs, longest = self.free_block_queue.free_runs()
         blocks, pairs, ascending, descending = self.free_block_queue.table_counters(reset)
+        # Each freed list starts with a block that has no pair before it, so
+        # blocks - ascending pairs are its runs, and blocks - pairs its lists.
         started = blocks - ascending
+        tables = blocks - pairs
         return {
             "free_blocks": self.get_num_free_blocks(),
             "free_runs": runs,
@@ -463,6 +472,9 @@ class BlockPool(VllmBlockPool):
             "table_contiguity": ascending / pairs if pairs else 1.0,
             "descending_fraction": descending / pairs if pairs else 0.0,
             "mean_run_length": blocks / started if started > 0 else float(blocks),
+            "table_descriptors": started,
+            "tables_freed": tables,
+            "mean_descriptors_per_table": started / tables if tables > 0 else 0.0,
         }
 
 

@@ -36,10 +36,16 @@ Metrics (per engine):
 ``vllm:kvpool_mean_run_length_blocks`` mean ascending run length of those tables
 ``vllm:kvpool_table_pairs_total``      adjacent pairs of the freed tables (counter)
 ``vllm:kvpool_table_ascending_pairs_total``  of which next id = previous + 1 (counter)
+``vllm:kvpool_mean_descriptors_per_table``  KV transfer descriptors (ascending runs) per
+                                       table freed in the last interval (gauge)
+``vllm:kvpool_table_descriptors_total``  descriptors of the freed tables (counter)
+``vllm:kvpool_tables_freed_total``     freed tables, one per request and KV cache group
 =====================================  =================================================
 
-The three ``table_*`` gauges keep their last value through intervals in which no table
-grew; the two counters give the exact ratio over any PromQL window.
+The four table gauges keep their last value through intervals in which no table was
+freed (the three pair-based ones: no table of two blocks or more); the counters give
+the exact ratios over any PromQL window (descriptors per table:
+``rate(..._table_descriptors_total) / rate(..._tables_freed_total)``).
 """
 
 from __future__ import annotations
@@ -77,6 +83,9 @@ GAUGES: tuple[tuple[str, str, str, bool], ...] = (
     ("vllm:kvpool_mean_run_length_blocks", "mean_run_length",
      "Mean length, in blocks, of the ascending runs of consecutive block ids of the "
      "request block tables freed since the previous report.", True),
+    ("vllm:kvpool_mean_descriptors_per_table", "mean_descriptors_per_table",
+     "Mean KV transfer descriptors (ascending runs of consecutive block ids) per request "
+     "block table (one per KV cache group) freed since the previous report.", True),
 )
 #: (metric name without ``_total``, help text); incremented by the pairs of each report.
 COUNTERS: tuple[tuple[str, str], ...] = (
@@ -84,6 +93,18 @@ COUNTERS: tuple[tuple[str, str], ...] = (
     ("vllm:kvpool_table_ascending_pairs",
      "Adjacent pairs of the request block tables freed whose next block id is the previous + 1."),
 )
+#: (metric name without ``_total``, ``fragmentation_stats()`` key, help text): counters
+#: incremented by a key's value of each report (absent from an older engine's: 0).
+TABLE_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("vllm:kvpool_table_descriptors", "table_descriptors",
+     "KV transfer descriptors of the request block tables freed: maximal runs of block ids "
+     "ascending by exactly 1 (what NIXL posts per memory region; vLLM PR #55841)."),
+    ("vllm:kvpool_tables_freed", "tables_freed",
+     "Request block tables freed (one per request and KV cache group, preemptions included)."),
+)
+#: A gauge of these keys is set when the report's tables count is positive (a table
+#: of one block has no pair); the other ``tables_only`` gauges when it has pairs.
+_SET_WHEN_TABLES = frozenset({"mean_descriptors_per_table"})
 
 
 def _interval_s() -> float:
@@ -138,7 +159,12 @@ class KVPoolProm:
             stat_logger._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             for name, doc in COUNTERS
         )
+        self.table_counters = [
+            (key, stat_logger._counter_cls(name=name, documentation=doc, labelnames=labelnames))
+            for name, key, doc in TABLE_COUNTERS
+        ]
         self._children: dict[int, tuple[list[tuple[str, bool, Any]], Any, Any]] = {}
+        self._table_children: dict[int, list[tuple[str, Any]]] = {}
 
     def _engine(self, engine_idx: int):
         children = self._children.get(engine_idx)
@@ -150,6 +176,7 @@ class KVPoolProm:
                 self.ascending_pairs.labels(*values),
             )
             self._children[engine_idx] = children
+            self._table_children[engine_idx] = [(key, c.labels(*values)) for key, c in self.table_counters]
         return children
 
     def observe(self, stats: dict[str, float], engine_idx: int) -> None:
@@ -158,12 +185,18 @@ class KVPoolProm:
             return
         gauges, pairs_total, ascending_total = self._engine(engine_idx)
         pairs = int(stats.get("table_pairs", 0))
+        tables = int(stats.get("tables_freed", 0))
         for key, tables_only, gauge in gauges:
-            if key in stats and (pairs > 0 or not tables_only):
+            grew = tables > 0 if key in _SET_WHEN_TABLES else pairs > 0
+            if key in stats and (grew or not tables_only):
                 gauge.set(stats[key])
         if pairs > 0:
             pairs_total.inc(pairs)
             ascending_total.inc(round(stats.get("table_contiguity", 0.0) * pairs))
+        for key, counter in self._table_children[engine_idx]:
+            n = int(stats.get(key, 0))
+            if n > 0:
+                counter.inc(n)
 
 
 def _stats_field() -> dataclasses.Field:
@@ -241,4 +274,5 @@ def apply(patcher) -> None:
     patcher.set_attr(PrometheusStatLogger, "record", kvpool_prom_record)
 
 
-__all__ = ["COUNTERS", "GAUGES", "INTERVAL_ENV", "STATS_FIELD", "KVPoolProm", "apply", "pool_snapshot"]
+__all__ = ["COUNTERS", "GAUGES", "INTERVAL_ENV", "STATS_FIELD", "TABLE_COUNTERS", "KVPoolProm", "apply",
+           "pool_snapshot"]

@@ -33,9 +33,20 @@ def _cpu_per_step(rounds: list[dict[str, Any]]) -> float:
     return sum(r["sched_cpu_s"] for r in rounds) / max(sum(r["num_steps"] for r in rounds), 1)
 
 
+def _offload_total(rounds: list[dict[str, Any]], key: str) -> int | None:
+    """Sum of an ``offload_*`` count; ``None`` when no round has one (prefix caching
+    off, or a report saved before the transfer figures)."""
+    xs = [r[key] for r in rounds if r.get(key) is not None]
+    return sum(xs) if xs else None
+
+
 def _aggregate(rounds: list[dict[str, Any]]) -> ModeComparison:
     steps = sum(r["num_steps"] for r in rounds)
     contig = [r["contiguity"] for r in rounds if r["contiguity"] is not None]
+    prompts = sum(r.get("prompts", 0) for r in rounds)
+    descriptors = sum(r.get("prompt_descriptors_total", 0) for r in rounds)
+    copies = _offload_total(rounds, "offload_copies_total")
+    offloaded = _offload_total(rounds, "offload_blocks")
     return ModeComparison(
         sched_cpu_s_per_step=_cpu_per_step(rounds),
         drain_cpu_s_per_step=sum(r["drain_cpu_s"] for r in rounds) / max(steps, 1),
@@ -43,6 +54,12 @@ def _aggregate(rounds: list[dict[str, Any]]) -> ModeComparison:
         min_contiguity=min(contig, default=None),
         mean_contiguity=sum(contig) / len(contig) if contig else None,
         max_leaked_blocks=max((r["leaked_blocks"] for r in rounds), default=0),
+        prompt_descriptors_total=descriptors,
+        prompt_descriptors_per_prompt=descriptors / prompts if prompts else None,
+        prompt_descriptors_max=max((r["prompt_descriptors_max"] for r in rounds
+                                    if r.get("prompt_descriptors_max") is not None), default=None),
+        offload_copies_total=copies,
+        offload_blocks_per_copy=offloaded / copies if copies else None,
     )
 
 
@@ -65,7 +82,15 @@ def _versus(rounds: list[dict[str, Any]], base: list[dict[str, Any]], entry: Mod
         rounds_compared=min(len(rounds), len(base)),
         rounds_identical_to_vanilla=sum(same),
         first_round_differing_from_vanilla=next((i for i, s in enumerate(same) if not s), None),
+        prompt_descriptors_ratio_vs_vanilla=_ratio(entry.prompt_descriptors_total,
+                                                   sum(r.get("prompt_descriptors_total", 0) for r in base)),
+        offload_copies_ratio_vs_vanilla=_ratio(entry.offload_copies_total,
+                                               _offload_total(base, "offload_copies_total")),
     )
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def compare(results: dict[str, Any]) -> dict[str, Any]:

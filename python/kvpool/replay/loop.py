@@ -36,7 +36,10 @@ class Stepper:
 
     Records each request's prompt blocks (the first ``ceil(prompt_len / block_size)``
     table entries) in :attr:`prompt_tables` after the ``schedule()`` in which its whole
-    prompt is computed.
+    prompt is computed, and the transfer descriptors of its prompt blocks per KV cache
+    group in :attr:`prompt_descriptors`. :attr:`copies_per_step` gets, per engine step
+    in which vLLM cached blocks that became full, the copies an offloading connector
+    would issue for them (see :class:`~.probe.RoundProbe`).
     """
 
     def __init__(self, scheduler, probe: RoundProbe, model_output: Callable[[Any], Any], block_size: int) -> None:
@@ -48,12 +51,29 @@ class Stepper:
         #: request id -> (request, prompt blocks) of prompts not yet fully allocated.
         self.awaiting_prompt: dict[str, tuple[Any, int]] = {}
         self.prompt_tables: dict[str, list[int]] = {}
+        #: request id -> descriptors of its prompt blocks, one ``int`` per KV cache group.
+        self.prompt_descriptors: dict[str, list[int]] = {}
+        #: (blocks that became full, copies), one entry per step that cached a block.
+        self.copies_per_step: list[tuple[int, int]] = []
+        groups = getattr(getattr(scheduler, "kv_cache_config", None), "kv_cache_groups", None) or []
+        #: Tokens per block of each KV cache group (the replay's model has one group).
+        self.group_block_sizes = [g.kv_cache_spec.block_size for g in groups] or [block_size]
+        pool = self.kv.block_pool
+        self.null_block_id = getattr(getattr(pool, "null_block", None), "block_id", metrics.NULL_BLOCK_ID)
 
     def expect_prompt(self, request, prompt_len: int) -> None:
         self.awaiting_prompt[request.request_id] = (request, math.ceil(prompt_len / self.block_size))
 
+    def end_step(self) -> None:
+        """Close the step: the blocks cached since the previous call are one step's."""
+        blocks, copies = self.probe.take_step()
+        if blocks:
+            self.copies_per_step.append((blocks, copies))
+
     def schedule(self) -> tuple[Any, float]:
-        """``(scheduler_output, CPU seconds of schedule())``."""
+        """``(scheduler_output, CPU seconds of schedule())``. Starts a step: the blocks
+        cached before it (the previous step's ``update_from_output``) close the last."""
+        self.end_step()
         probe = self.probe
         probe_before = probe.probe_cpu
         t0 = _thread_time()
@@ -64,7 +84,12 @@ class Stepper:
             for rid in so.num_scheduled_tokens:
                 entry = awaiting.get(rid)
                 if entry is not None and entry[0].num_computed_tokens >= entry[0].num_prompt_tokens:
-                    self.prompt_tables[rid] = list(self.kv.get_block_ids(rid)[0][: entry[1]])
+                    groups = self.kv.get_block_ids(rid)
+                    self.prompt_tables[rid] = list(groups[0][: entry[1]])
+                    prompt_len = entry[0].num_prompt_tokens
+                    self.prompt_descriptors[rid] = [
+                        metrics.transfer_descriptors(g[: -(-prompt_len // bs)], self.null_block_id)
+                        for g, bs in zip(groups, self.group_block_sizes)]
                     del awaiting[rid]
         return so, dt
 
@@ -109,6 +134,26 @@ def _table_stats(ptables: list[list[int]], ftables: list[list[int]]) -> dict[str
         "distinct_blocks": len(all_ids),
         "max_block_id": max(all_ids, default=0),
     }
+
+
+def _transfer_stats(stepper: Stepper, caches_blocks: bool) -> dict[str, Any]:
+    """The :class:`RoundResult` transfer fields of the prompts allocated and the steps
+    run since the stepper's lists were last cleared (docs/replay.md, "Transfer figures")."""
+    per_prompt = list(stepper.prompt_descriptors.values())
+    desc = metrics.spread([sum(d) for d in per_prompt])
+    out: dict[str, Any] = {
+        "prompts": len(per_prompt),
+        "prompt_descriptors_median": desc["median"], "prompt_descriptors_p90": desc["p90"],
+        "prompt_descriptors_max": desc["max"], "prompt_descriptors_total": desc["total"],
+        "prompt_descriptors_by_group": [sum(d[g] for d in per_prompt) for g in range(len(stepper.group_block_sizes))],
+    }
+    if caches_blocks:
+        steps = stepper.copies_per_step
+        copies = metrics.spread([c for _, c in steps])
+        out.update(offload_blocks=sum(b for b, _ in steps), offload_steps=len(steps),
+                   offload_copies_per_step_median=copies["median"], offload_copies_per_step_p90=copies["p90"],
+                   offload_copies_per_step_max=copies["max"], offload_copies_total=copies["total"])
+    return out
 
 
 def _saved_tables(prompt_tables: dict[str, list[int]], finished_tables: dict[str, list[int]]) -> dict:
@@ -177,6 +222,7 @@ def run_round(scheduler, probe: RoundProbe, workload: Workload, rnd: int, seed: 
     sched_cpu, prefill_cpu, num_steps = _round_steps(
         stepper, factory.specs, requests, 2 if workload.engine.async_scheduling else 1, rnd, pool)
     wall = time.perf_counter() - wall0
+    stepper.end_step()
     if scheduler.has_requests() or getattr(scheduler, "deferred_frees", None):
         raise RuntimeError(f"round {rnd}: requests or deferred frees left after the last step")
     if stepper.awaiting_prompt:
@@ -196,6 +242,7 @@ def run_round(scheduler, probe: RoundProbe, workload: Workload, rnd: int, seed: 
             (probe.push_cpu + probe.drain_cpu) / probe.deferred_blocks if probe.deferred_blocks else None),
         free_blocks_after=free_after, leaked_blocks=pool.num_blocks - 1 - free_after,
         table_digest=table_digest(prompt_tables, finished), wall_s=wall,
+        **_transfer_stats(stepper, probe.caches_blocks),
         tables=_saved_tables(prompt_tables, finished) if save_tables else None,
     )
 
@@ -237,10 +284,13 @@ class _Stream:
     def new_window(self) -> _Window:
         self.probe.reset()
         self.stepper.prompt_tables = {}
+        self.stepper.prompt_descriptors = {}
+        self.stepper.copies_per_step = []
         self.window = _Window()
         return self.window
 
     def close_window(self) -> None:
+        self.stepper.end_step()
         w, probe, prompt_tables = self.window, self.probe, self.stepper.prompt_tables
         steps = max(w.steps, 1)
         self.rounds.append(RoundResult(
@@ -255,6 +305,7 @@ class _Stream:
             leaked_blocks=0,  # blocks are in use mid-stream; checked after the drain
             table_digest=table_digest(prompt_tables, probe.finished_tables),
             wall_s=time.perf_counter() - w.wall0,
+            **_transfer_stats(self.stepper, probe.caches_blocks),
             tables=_saved_tables(prompt_tables, probe.finished_tables) if self.save_tables else None,
         ))
         self.new_window()

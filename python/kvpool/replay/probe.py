@@ -8,10 +8,13 @@ class) keep their fast paths, and a vanilla and a kvpool scheduler are probed th
 from __future__ import annotations
 
 import hashlib
+import inspect
 import time
 from typing import Any
 
 import numpy as np
+
+from kvpool.replay import metrics
 
 _thread_time = time.thread_time
 _perf_counter = time.perf_counter
@@ -34,7 +37,12 @@ class RoundProbe:
     - evictions: ``block_pool._emit_block_removed_events(hashes)``, called by
       ``_maybe_evict_cached_block`` with the hashes it removed (the ``BlockRemoved``
       events vLLM would publish with KV events on), in order;
-    - preemptions: calls to ``scheduler._preempt_request``.
+    - preemptions: calls to ``scheduler._preempt_request``;
+    - blocks that became full: ``block_pool.cache_full_blocks(request, blocks,
+      num_cached_blocks, num_full_blocks, ...)`` (vLLM 0.33.0) caches
+      ``blocks[num_cached_blocks:num_full_blocks]`` (null and masked blocks skipped);
+      ``step_full_blocks`` counts them and ``step_copies`` their ascending runs, per
+      call (one request, one KV cache group), until :meth:`take_step` reads them.
     """
 
     def __init__(self, scheduler) -> None:
@@ -103,6 +111,30 @@ class RoundProbe:
         pool._emit_block_removed_events = _emit_block_removed_events
         scheduler._preempt_request = _preempt_request
 
+        # Offloading copies: the blocks vLLM caches (their hash set) are those that
+        # became full; an offloading connector stores exactly those, one job per
+        # request, and one copy per ascending run of their ids (vLLM PR #35990).
+        #: Whether vLLM caches blocks at all (prefix caching on); else no offload figures.
+        self.caches_blocks = bool(getattr(pool, "enable_caching", False))
+        orig_cache = pool.cache_full_blocks
+        bind = inspect.signature(orig_cache).bind
+        null_id = getattr(getattr(pool, "null_block", None), "block_id", metrics.NULL_BLOCK_ID)
+
+        def cache_full_blocks(*args, **kwargs):
+            t0 = _thread_time()
+            a = bind(*args, **kwargs).arguments
+            lo, hi, mask = a["num_cached_blocks"], a["num_full_blocks"], a.get("block_mask")
+            if hi > lo:
+                new = a["blocks"][lo:hi]
+                ids = [b.block_id for i, b in enumerate(new)
+                       if not b.is_null and (mask is None or mask[i])]
+                self.step_full_blocks += len(ids)
+                self.step_copies += metrics.transfer_descriptors(ids, null_id)
+            self.probe_cpu += _thread_time() - t0
+            return orig_cache(*args, **kwargs)
+
+        pool.cache_full_blocks = cache_full_blocks
+
     def eviction_digest(self) -> str:
         """Hash of the evicted block hashes, in eviction order."""
         h = hashlib.sha1()
@@ -126,6 +158,14 @@ class RoundProbe:
         self.drain_calls = 0
         self.drained_entries = 0
         self.probe_cpu = 0.0
+        self.step_full_blocks = 0
+        self.step_copies = 0
+
+    def take_step(self) -> tuple[int, int]:
+        """``(blocks that became full, copies)`` since the previous call; resets both."""
+        out = (self.step_full_blocks, self.step_copies)
+        self.step_full_blocks = self.step_copies = 0
+        return out
 
 
 def cache_counts(probe: RoundProbe) -> dict[str, Any]:

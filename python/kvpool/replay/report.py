@@ -22,6 +22,10 @@ def _longest_word(cells) -> int:
     return max((len(w) for c in cells for w in str(c).split()), default=1)
 
 
+def _count(x: int | None) -> str:
+    return "-" if x is None else str(x)
+
+
 def _us(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e6:.1f}"
 
@@ -159,7 +163,8 @@ def _ratio(key: str):
     return lambda m, r, c: _f(c.get(key), "{:.2f}x")
 
 
-def _summary_rows(modes: dict[str, Any], deferred: bool, continuous: bool) -> list[tuple[str, Any]]:
+def _summary_rows(modes: dict[str, Any], comparison: dict[str, Any], deferred: bool,
+                  continuous: bool) -> list[tuple[str, Any]]:
     """(label, ``fn(mode, mode result, comparison entry) -> cell``) of the per-mode summary."""
     rows: list[tuple[str, Any]] = [
         ("block pool (package:class)", _pool_class),
@@ -184,6 +189,18 @@ def _summary_rows(modes: dict[str, Any], deferred: bool, continuous: bool) -> li
         ("min / mean prompt contiguity",
          lambda m, r, c: f"{_f(c.get('min_contiguity'))} / {_f(c.get('mean_contiguity'))}"),
         ("highest block id used", lambda m, r, c: str(max(x["max_block_id"] for x in r["rounds"]))),
+    ]
+    if "prompt_descriptors_total" in next(iter(comparison.values()), {}):
+        rows += [
+            ("transfer descriptors per prompt", _scaled("prompt_descriptors_per_prompt", 1, "{:.1f}")),
+            ("  vs vanilla", _ratio("prompt_descriptors_ratio_vs_vanilla")),
+        ]
+        if any(c.get("offload_copies_total") is not None for c in comparison.values()):
+            rows += [
+                ("offloaded blocks per copy", _scaled("offload_blocks_per_copy", 1, "{:.2f}")),
+                ("  copies vs vanilla", _ratio("offload_copies_ratio_vs_vanilla")),
+            ]
+    rows += [
         ("preemptions", _total("preemptions")),
         ("prefix-cache hit tokens", _total("prefix_cache_hit_tokens")),
         ("evictions (cached blocks)", _total("evictions")),
@@ -207,7 +224,7 @@ def _summary_table(modes: dict[str, Any], comparison: dict[str, Any], deferred: 
     from rich.table import Table
 
     cells = [[label, *[fn(m, r, comparison.get(m, {})) for m, r in modes.items()]]
-             for label, fn in _summary_rows(modes, deferred, continuous)]
+             for label, fn in _summary_rows(modes, comparison, deferred, continuous)]
     # Cells wrap between words when the console is narrow, never inside one: each
     # column is at least as wide as its longest word, so no value is cut to "1409…".
     s = Table(title="per mode, all rounds", title_justify="left")
@@ -253,6 +270,17 @@ def render_tables(report: dict[str, Any], console) -> None:
         cols.append(("drain us/step", "drain_cpu_s_per_step", lambda v: "-" if v is None else f"{v * 1e6:.2f}"))
     console.print(*_per_round(modes, n, warm, console.width,
                               "runs (blocks), descending pairs, scheduler CPU per step", cols))
+    if any("prompt_descriptors_total" in x for r in modes.values() for x in r["rounds"]):
+        cols = [("desc. median", "prompt_descriptors_median", _count),
+                ("desc. p90", "prompt_descriptors_p90", _count),
+                ("desc. max", "prompt_descriptors_max", _count)]
+        if any(x.get("offload_copies_total") is not None for r in modes.values() for x in r["rounds"]):
+            cols += [("copies/step p90", "offload_copies_per_step_p90", _count),
+                     ("copies/step max", "offload_copies_per_step_max", _count)]
+        console.print(*_per_round(
+            modes, n, warm, console.width,
+            "KV transfer: descriptors per prompt (runs of id+1, what NIXL posts; vLLM PR #55841), "
+            "offloading copies per step (PR #35990)", cols))
     ref_mode = "vanilla" if "vanilla" in modes else next(iter(modes))
     console.print(_cache_table(modes, n, ref_mode))
     if wl.get("continuous"):
@@ -347,7 +375,8 @@ def first_wrap_round(rounds: list[dict[str, Any]], num_blocks: int) -> int | Non
 
 
 def plot(report: dict[str, Any], path: str | Path) -> None:
-    """Write a PNG: prompt contiguity, whole-table contiguity and scheduler CPU per round."""
+    """Write a PNG: prompt contiguity, whole-table contiguity, scheduler CPU and transfer
+    descriptors per prompt, per round."""
     import matplotlib.pyplot as plt
 
     fig = figure(report)
@@ -356,8 +385,9 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
 
 
 def figure(report: dict[str, Any]):
-    """The matplotlib ``Figure`` :func:`plot` writes: three panels over the rounds, one
-    legend below them (never over a curve)."""
+    """The matplotlib ``Figure`` :func:`plot` writes: three panels over the rounds (a
+    fourth, transfer descriptors per prompt, when the report has them), one legend
+    below them (never over a curve)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -367,7 +397,8 @@ def figure(report: dict[str, Any]):
     modes = {m: r for m, r in report["modes"].items() if "rounds" in r}
     wl, cfg = report["workload"], report["config"]
     cmp_ = report.get("comparison", {})
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5.4))
+    transfer = any(x.get("prompt_descriptors_median") is not None for r in modes.values() for x in r["rounds"])
+    fig, axes = plt.subplots(1, 4 if transfer else 3, figsize=(21 if transfer else 16, 5.4))
     panels = (
         ("contiguity", "prompt blocks (after prefill)"),
         ("table_contiguity", "whole block table (at finish)"),
@@ -381,8 +412,16 @@ def figure(report: dict[str, Any]):
         ax.set_ylim(-0.05, 1.08)
     base = modes.get("vanilla")
     wrap = None if base is None else first_wrap_round(base["rounds"], cfg["num_blocks"])
+    if transfer:
+        for m, r in modes.items():
+            ys = [float("nan") if x.get("prompt_descriptors_median") is None else x["prompt_descriptors_median"]
+                  for x in r["rounds"]]
+            axes[3].plot([x["round"] for x in r["rounds"]], ys, label=m, **_PLOT.get(m, {}))
+        axes[3].set_title("KV transfer descriptors per prompt (median): runs of id+1", fontsize=10)
+        axes[3].set_ylabel("descriptors (one per run), log scale")
+        axes[3].set_yscale("log")
     if wrap is not None:
-        for ax in axes[:2]:
+        for ax in (*axes[:2], *axes[3:]):
             ax.axvline(wrap, color="grey", ls=":", lw=1, label="_wrap")
     for m, r in modes.items():
         axes[2].plot([x["round"] for x in r["rounds"]], [x["sched_cpu_s_per_step"] * 1e6 for x in r["rounds"]],

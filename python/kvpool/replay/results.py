@@ -13,6 +13,8 @@ from typing import Any
 
 _OPTIONAL = {"optional": True}
 _WINDOW = {"window": True}
+#: Comparison fields added with the transfer figures: written after the others.
+_TRANSFER = {"transfer": True}
 
 
 @dataclass
@@ -60,6 +62,25 @@ class RoundResult:
     leaked_blocks: int = 0
     table_digest: str = ""
     wall_s: float = 0.0
+    #: Transfer figures (docs/replay.md, "Transfer figures"). The prompts counted
+    #: (those of ``contiguity``), and per prompt the descriptors of its prompt blocks
+    #: summed over KV cache groups: runs of ids ascending by exactly 1 (vLLM PR #55841),
+    #: nearest-rank median / p90, maximum, total; the total per KV cache group.
+    prompts: int = 0
+    prompt_descriptors_median: int | None = None
+    prompt_descriptors_p90: int | None = None
+    prompt_descriptors_max: int | None = None
+    prompt_descriptors_total: int = 0
+    prompt_descriptors_by_group: list[int] = field(default_factory=list)
+    #: Offloading (vLLM PR #35990): blocks that became full (cached), the steps that
+    #: cached any, and per such step the copies (runs among its new full blocks, per
+    #: request and group). ``None`` without prefix caching (vLLM caches no block).
+    offload_blocks: int | None = None
+    offload_steps: int | None = None
+    offload_copies_per_step_median: int | None = None
+    offload_copies_per_step_p90: int | None = None
+    offload_copies_per_step_max: int | None = None
+    offload_copies_total: int | None = None
     #: ``--save-tables``: ``{"prompt": [...], "finished": [...]}``, one ``list[int]`` per request.
     tables: dict[str, list[list[int]]] | None = field(default=None, metadata=_OPTIONAL)
     #: The calls made before this round (rounds >= 1; the reorder in ``kvpool+reorder``).
@@ -165,6 +186,9 @@ class VersusVanilla:
     #: Rounds whose ``table_digest`` equals vanilla's, and the first that does not.
     rounds_identical_to_vanilla: int
     first_round_differing_from_vanilla: int | None
+    #: Total prompt descriptors / vanilla's, offloading copies / vanilla's.
+    prompt_descriptors_ratio_vs_vanilla: float | None = field(default=None, metadata=_TRANSFER)
+    offload_copies_ratio_vs_vanilla: float | None = field(default=None, metadata=_TRANSFER)
 
 
 @dataclass
@@ -181,14 +205,24 @@ class ModeComparison:
     max_leaked_blocks: int
     vs_vanilla: VersusVanilla | None = None
     sched_cpu_ratio_vs_kvpool: float | None = None
+    #: Over all rounds: prompt descriptors (sum, per prompt, the largest of one prompt),
+    #: offloading copies (sum) and blocks per copy (1.0: no two blocks coalesced).
+    prompt_descriptors_total: int = field(default=0, metadata=_TRANSFER)
+    prompt_descriptors_per_prompt: float | None = field(default=None, metadata=_TRANSFER)
+    prompt_descriptors_max: int | None = field(default=None, metadata=_TRANSFER)
+    offload_copies_total: int | None = field(default=None, metadata=_TRANSFER)
+    offload_blocks_per_copy: float | None = field(default=None, metadata=_TRANSFER)
 
     def to_json(self) -> dict[str, Any]:
+        added = [f for f in fields(self) if f.metadata.get("transfer")]
         out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("vs_vanilla", "sched_cpu_ratio_vs_kvpool")}
-        if self.vs_vanilla is not None:
-            out.update((f.name, getattr(self.vs_vanilla, f.name)) for f in fields(self.vs_vanilla))
+               if f.name not in ("vs_vanilla", "sched_cpu_ratio_vs_kvpool") and f not in added}
+        vs = [] if self.vs_vanilla is None else fields(self.vs_vanilla)
+        out.update((f.name, getattr(self.vs_vanilla, f.name)) for f in vs if not f.metadata.get("transfer"))
         if self.sched_cpu_ratio_vs_kvpool is not None:
             out["sched_cpu_ratio_vs_kvpool"] = self.sched_cpu_ratio_vs_kvpool
+        out.update((f.name, getattr(self, f.name)) for f in added)
+        out.update((f.name, getattr(self.vs_vanilla, f.name)) for f in vs if f.metadata.get("transfer"))
         return out
 
 
