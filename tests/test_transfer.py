@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvpool
-from kvpool import metrics as pool_metrics
+from kvpool.patches import metrics as pool_metrics
 from kvpool.replay import metrics, report
 from kvpool.replay.modes import mode_unavailable_reason
 

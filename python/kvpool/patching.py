@@ -298,6 +298,8 @@ def _unbind_late_imports(state: _InstallState) -> None:
     (``from vllm.v1.core.block_pool import BlockPool`` then found kvpool's), and vLLM
     classes defined then subclass kvpool's ``BlockPool``: give them vLLM's back too,
     as if they had been imported before ``install()``."""
+    if "BlockPool" not in state.vanilla:  # a state that bound no class (a patch module's own)
+        return
     replacements = _replacements()
     vanilla_of = {id(new): (new, state.vanilla[name]) for name, new in replacements.items()}
     ours_pool, vanilla_pool = replacements["BlockPool"], state.vanilla["BlockPool"]

@@ -48,9 +48,15 @@ class RoundProbe:
     def __init__(self, scheduler) -> None:
         self.scheduler = scheduler
         self.reset()
+        kv = scheduler.kv_cache_manager
+        self._probe_frees(scheduler, kv)
+        self._probe_cache(scheduler, kv)
+        self._probe_full_blocks(kv.block_pool)
+
+    def _probe_frees(self, scheduler, kv) -> None:
+        # Finished tables, deferred frees and the drains' cost.
         orig_free = scheduler._free_request_blocks
         orig_drain = scheduler._drain_deferred_frees
-        kv = scheduler.kv_cache_manager
 
         def _free_request_blocks(request):
             t0 = _thread_time()
@@ -84,6 +90,8 @@ class RoundProbe:
         scheduler._free_request_blocks = _free_request_blocks
         scheduler._drain_deferred_frees = _drain_deferred_frees
 
+    def _probe_cache(self, scheduler, kv) -> None:
+        # Prefix-cache hits, evictions (in order) and preemptions.
         orig_record = kv.record_prefix_cache_stats
         lookup_enabled = kv.prefix_cache_lookup_enabled
 
@@ -111,6 +119,7 @@ class RoundProbe:
         pool._emit_block_removed_events = _emit_block_removed_events
         scheduler._preempt_request = _preempt_request
 
+    def _probe_full_blocks(self, pool) -> None:
         # Offloading copies: the blocks vLLM caches (their hash set) are those that
         # became full; an offloading connector stores exactly those, one job per
         # request, and one copy per ascending run of their ids (vLLM PR #35990).
