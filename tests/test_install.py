@@ -73,7 +73,7 @@ def test_umbp_lookup_pool_is_rebased_when_importable():
 
 
 def test_scheduler_built_after_install_uses_kvpool(installed):
-    from vllm_helpers import make_request, make_scheduler
+    from tests.support.scheduler import make_request, make_scheduler
 
     scheduler = make_scheduler(num_blocks=100)
     pool = scheduler.kv_cache_manager.block_pool

@@ -28,7 +28,7 @@ import pytest
 
 from kvpool import FencedDeferredFreeQueue, FreeKVCacheBlockQueue, KVCacheBlock
 from kvpool._core import BlockTable
-from pool_workload import KvpoolSide, PoolWorkload
+from tests.support.pool_workload import KvpoolSide, PoolWorkload
 
 # The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
 pytestmark = [pytest.mark.sanitizer, pytest.mark.debug, pytest.mark.slow]

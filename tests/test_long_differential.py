@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from pool_workload import KvpoolSide, PoolWorkload, VllmSide
+from tests.support.pool_workload import KvpoolSide, PoolWorkload, VllmSide
 
 # The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
 pytestmark = [pytest.mark.sanitizer, pytest.mark.slow]

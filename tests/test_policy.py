@@ -21,7 +21,7 @@ from vllm.v1.kv_cache_interface import (
 import kvpool
 from kvpool import allocation
 from kvpool.block_pool import BlockPool
-from vllm_helpers import make_request, make_scheduler, runner_output
+from tests.support.scheduler import make_request, make_scheduler, runner_output
 
 COMMON = dict(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32)
 SPECS = {

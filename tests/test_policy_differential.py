@@ -32,7 +32,7 @@ from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
 
 from kvpool import allocation
 from kvpool.block_pool import BlockPool
-from pool_workload import KvpoolSide, PoolWorkload, VllmSide
+from tests.support.pool_workload import KvpoolSide, PoolWorkload, VllmSide
 
 # The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
 pytestmark = [pytest.mark.sanitizer, pytest.mark.debug, pytest.mark.slow]

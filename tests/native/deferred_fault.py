@@ -30,7 +30,7 @@ import kvpool  # noqa: E402
 
 kvpool.install()
 
-from tests.vllm_helpers import make_request, make_scheduler  # noqa: E402
+from tests.support.scheduler import make_request, make_scheduler  # noqa: E402
 
 
 def tables(scheduler, request_id):

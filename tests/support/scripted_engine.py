@@ -13,8 +13,8 @@
   ``collective_rpc`` utility.
 
 Must stay importable by name in a spawned engine-core process, where the executor
-class is unpickled (pytest puts ``tests/`` on ``sys.path``; multiprocessing's spawn
-passes ``sys.path`` on).
+class is unpickled as ``tests.support.scripted_engine.ScriptedExecutor`` (pytest puts the
+repository root on ``sys.path``; multiprocessing's spawn passes ``sys.path`` on).
 """
 
 from __future__ import annotations
