@@ -1,5 +1,5 @@
 """Fault injection through a real vLLM Scheduler's deferred-free path (run by
-tests/test_fault_injection.py in a child process, like fault_sweep.py).
+tests/native/test_fault_injection.py in a child process, like fault_sweep.py).
 
 A request finishes while the step that may still write its blocks is in flight
 (async scheduling with a KV consumer): ``Scheduler._free_request_blocks`` queues its

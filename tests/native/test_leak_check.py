@@ -6,7 +6,7 @@ CPython's small-int array and batch the small ints' reference counts
 drift with every call. This runs 10^5 random pool operations (``KVPOOL_LEAK_OPS``) after
 a warm-up over every hot path: allocation, free, touch, unpin, evict, deferred push and
 drain, the canonical reorder, and the error and rollback paths
-(``tests/pool_workload.py``), and asserts that at quiescent points (everything freed,
+(``tests/support/pool_workload.py``), and asserts that at quiescent points (everything freed,
 deferred queue drained, prefix cache reset) these stay flat within a small fixed slack:
 
 - ``sys.gettotalrefcount()`` (only on a ``Py_DEBUG`` interpreter:

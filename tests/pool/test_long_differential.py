@@ -2,12 +2,12 @@
 side in one process (kvpool not installed), over allocation, frees in random order,
 caching under hashes, cache hits with ``touch``, ``evict_blocks``, ``unpin_blocks`` with
 reuse watchers, deferred frees of two KV cache groups through the fenced queue,
-``reset_prefix_cache`` and the canonical reorder (``tests/pool_workload.py``).
+``reset_prefix_cache`` and the canonical reorder (``tests/support/pool_workload.py``).
 
 Returned ids, free counts and reuse callbacks are compared after every operation, the
 whole free-queue order, ref counts and hashes every 500 operations.
 
-    KVPOOL_DIFF_OPS=1000000 python -m pytest tests/test_long_differential.py -s
+    KVPOOL_DIFF_OPS=1000000 python -m pytest tests/pool/test_long_differential.py -s
 
 runs 10^6 operations (default: 10^4 in the plain suite; CI sets 10^5);
 ``KVPOOL_DIFF_SEED`` picks the seed (printed either way).

@@ -1,7 +1,7 @@
 """The contiguous allocation policy against vanilla vLLM 0.33.0's ``BlockPool``: a long
 random differential in which only the ids of uncached allocations may differ.
 
-The random operations of ``tests/pool_workload.py`` (allocation, frees in random order,
+The random operations of ``tests/support/pool_workload.py`` (allocation, frees in random order,
 caching under hashes, cache hits with ``touch``, ``evict_blocks``, ``unpin_blocks`` with
 reuse watchers, deferred frees of two KV cache groups, resets) plus table growth (a
 request's group gets more blocks, as decode does) run on vLLM's pool and on kvpool's
@@ -17,7 +17,7 @@ the reuse callbacks of LRU blocks agree under that mapping, and blocks taken fro
 LRU segment must be the mapped ones; every 500 operations the cached keys, the held
 blocks' ref counts and the whole LRU segment's order agree too.
 
-    KVPOOL_POLICY_DIFF_OPS=1000000 python -m pytest tests/test_policy_differential.py -s
+    KVPOOL_POLICY_DIFF_OPS=1000000 python -m pytest tests/pool/test_policy_differential.py -s
 
 runs 10^6 operations (default 2*10^4 in the plain suite; CI sets 10^5).
 """

@@ -25,7 +25,7 @@ from vllm.plugins import load_general_plugins
 load_general_plugins()  # what LLM / the engine args do in the front-end process
 from vllm.v1.engine.core_client import EngineCoreClient
 from tests.support.scripted_engine import ScriptedExecutor, make_vllm_config
-from tests import test_engine_api as t
+from tests.integration import test_engine_api as t
 
 client = EngineCoreClient.make_client(
     multiprocess_mode=True, asyncio_mode=False, vllm_config=make_vllm_config(48),
