@@ -25,6 +25,7 @@ import asyncio
 import inspect
 import os
 import random
+from contextlib import contextmanager
 
 import pytest
 
@@ -33,6 +34,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 from tests.support.scripted_engine import (  # noqa: E402
     BLOCK_SIZE,
     ScriptedExecutor,
+    make_engine_core_client,
     make_engine_core_request,
     make_request,
     make_scheduler,
@@ -368,16 +370,10 @@ def test_scheduler_interface_default_raises_and_subclasses_inherit():
 # -- EngineCore and InprocClient (a real EngineCore in this process) ---------------------
 @pytest.fixture(scope="module")
 def inproc_client():
-    from vllm.v1.engine.core_client import EngineCoreClient, InprocClient
+    from vllm.v1.engine.core_client import InprocClient
 
     patching.install()
-    client = EngineCoreClient.make_client(
-        multiprocess_mode=False,
-        asyncio_mode=False,
-        vllm_config=make_vllm_config(48),
-        executor_class=ScriptedExecutor,
-        log_stats=False,
-    )
+    client = make_engine_core_client(multiprocess_mode=False)
     assert type(client) is InprocClient
     yield client
     client.shutdown()
@@ -452,6 +448,27 @@ def _llm_over(client):
     return llm
 
 
+def assert_each_layer_reorders(client, reorders) -> None:
+    """Each of ``reorders`` (layers' ``reset_free_block_queue_order`` over ``client``)
+    restores block-id order of the scrambled free queue behind ``client``."""
+    for reorder in reorders:
+        client_scramble(client)
+        assert reorder() is True
+        assert client_probe(client) == [1, 2, 3, 4]
+
+
+def assert_llm_reset_prefix_cache_reorders_only_with_the_flag(client) -> None:
+    """``LLM.reset_prefix_cache()`` over ``client`` leaves the free queue scrambled;
+    with ``reorder_free_queue=True`` it restores block-id order."""
+    llm = _llm_over(client)
+    client_scramble(client)
+    assert llm.reset_prefix_cache() is True
+    assert client_probe(client) != [1, 2, 3, 4]
+    client_scramble(client)
+    assert llm.reset_prefix_cache(reorder_free_queue=True) is True
+    assert client_probe(client) == [1, 2, 3, 4]
+
+
 def test_engine_core_reorder_reaches_the_scheduler_pools(inproc_client):
     engine_core = inproc_client.engine_core
     client_scramble(inproc_client)
@@ -462,11 +479,9 @@ def test_engine_core_reorder_reaches_the_scheduler_pools(inproc_client):
 
 def test_inproc_client_llm_engine_and_llm_reorder(inproc_client):
     llm = _llm_over(inproc_client)
-    for reorder in (inproc_client.reset_free_block_queue_order, llm.llm_engine.reset_free_block_queue_order,
-                    llm.reset_free_block_queue_order):
-        client_scramble(inproc_client)
-        assert reorder() is True
-        assert client_probe(inproc_client) == [1, 2, 3, 4]
+    assert_each_layer_reorders(inproc_client, (inproc_client.reset_free_block_queue_order,
+                                               llm.llm_engine.reset_free_block_queue_order,
+                                               llm.reset_free_block_queue_order))
 
 
 def test_inproc_layers_refuse_while_a_request_holds_blocks(inproc_client):
@@ -489,35 +504,32 @@ def test_inproc_layers_refuse_while_a_request_holds_blocks(inproc_client):
 
 
 def test_llm_reset_prefix_cache_flag_reorders_in_process(inproc_client):
-    llm = _llm_over(inproc_client)
-    client_scramble(inproc_client)
-    assert llm.reset_prefix_cache() is True
-    assert client_probe(inproc_client) != [1, 2, 3, 4]
-    client_scramble(inproc_client)
-    assert llm.reset_prefix_cache(reorder_free_queue=True) is True
-    assert client_probe(inproc_client) == [1, 2, 3, 4]
+    assert_llm_reset_prefix_cache_reorders_only_with_the_flag(inproc_client)
 
 
 # -- SyncMPClient: a real engine-core process --------------------------------------------
-@pytest.fixture(scope="module")
-def mp_client():
-    """vLLM's SyncMPClient with its engine-core process spawned by vLLM (spawn, so
-    the process imports vLLM afresh and gets kvpool only from the plugin entry point)."""
-    from vllm.v1.engine.core_client import EngineCoreClient, SyncMPClient
-
+@contextmanager
+def engine_core_process_env():
+    """The environment while vLLM starts an engine-core process (restored after): spawn,
+    so the process imports vLLM afresh and gets kvpool only from the plugin entry point;
+    the plugin neither disabled nor filtered out; no reorder switch."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         mp.delenv("KVPOOL_DISABLE", raising=False)
         mp.delenv("VLLM_PLUGINS", raising=False)
         mp.delenv(REORDER_ON_RESET_ENV, raising=False)
         _vllm_envs_uncached()
-        client = EngineCoreClient.make_client(
-            multiprocess_mode=True,
-            asyncio_mode=False,
-            vllm_config=make_vllm_config(48),
-            executor_class=ScriptedExecutor,
-            log_stats=False,
-        )
+        yield
+
+
+@pytest.fixture(scope="module")
+def mp_client():
+    """vLLM's SyncMPClient with its engine-core process spawned by vLLM (spawn, so
+    the process imports vLLM afresh and gets kvpool only from the plugin entry point)."""
+    from vllm.v1.engine.core_client import SyncMPClient
+
+    with engine_core_process_env():
+        client = make_engine_core_client(multiprocess_mode=True)
     assert type(client) is SyncMPClient
     yield client
     client.shutdown()
@@ -536,11 +548,9 @@ def test_engine_core_process_runs_the_reorder_through_call_utility(mp_client):
 @pytest.mark.slow  # starts an engine-core process
 def test_llm_over_sync_mp_client_reorders_the_engine_core_process(mp_client):
     llm = _llm_over(mp_client)
-    for reorder in (mp_client.reset_free_block_queue_order, llm.llm_engine.reset_free_block_queue_order,
-                    llm.reset_free_block_queue_order):
-        client_scramble(mp_client)
-        assert reorder() is True
-        assert client_probe(mp_client) == [1, 2, 3, 4]
+    assert_each_layer_reorders(mp_client, (mp_client.reset_free_block_queue_order,
+                                           llm.llm_engine.reset_free_block_queue_order,
+                                           llm.reset_free_block_queue_order))
 
 
 @pytest.mark.slow  # starts an engine-core process
@@ -558,13 +568,7 @@ def test_sync_mp_layers_refuse_while_a_request_holds_blocks(mp_client):
 
 @pytest.mark.slow  # starts an engine-core process
 def test_llm_reset_prefix_cache_flag_reorders_the_engine_core_process(mp_client):
-    llm = _llm_over(mp_client)
-    client_scramble(mp_client)
-    assert llm.reset_prefix_cache() is True
-    assert client_probe(mp_client) != [1, 2, 3, 4]
-    client_scramble(mp_client)
-    assert llm.reset_prefix_cache(reorder_free_queue=True) is True
-    assert client_probe(mp_client) == [1, 2, 3, 4]
+    assert_llm_reset_prefix_cache_reorders_only_with_the_flag(mp_client)
 
 
 @pytest.mark.slow  # starts an engine-core process
@@ -677,12 +681,7 @@ class AsyncEngine:
 
 @pytest.fixture(scope="module")
 def async_engine():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        mp.delenv("KVPOOL_DISABLE", raising=False)
-        mp.delenv("VLLM_PLUGINS", raising=False)
-        mp.delenv(REORDER_ON_RESET_ENV, raising=False)
-        _vllm_envs_uncached()
+    with engine_core_process_env():
         engine = AsyncEngine()
     yield engine
     engine.close()

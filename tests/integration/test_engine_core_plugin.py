@@ -23,14 +23,10 @@ import os, sys
 sys.path.insert(0, {repo!r})
 from vllm.plugins import load_general_plugins
 load_general_plugins()  # what LLM / the engine args do in the front-end process
-from vllm.v1.engine.core_client import EngineCoreClient
-from tests.support.scripted_engine import ScriptedExecutor, make_vllm_config
+from tests.support.scripted_engine import make_engine_core_client
 from tests.integration import test_engine_api as t
 
-client = EngineCoreClient.make_client(
-    multiprocess_mode=True, asyncio_mode=False, vllm_config=make_vllm_config(48),
-    executor_class=ScriptedExecutor, log_stats=False,
-)
+client = make_engine_core_client(multiprocess_mode=True)
 try:
     llm = t._llm_over(client)
     t.client_scramble(client)

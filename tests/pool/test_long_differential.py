@@ -15,7 +15,6 @@ runs 10^6 operations (default: 10^4 in the plain suite; CI sets 10^5);
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 
@@ -28,18 +27,6 @@ pytestmark = [pytest.mark.sanitizer, pytest.mark.slow]
 
 NUM_OPS = int(os.environ.get("KVPOOL_DIFF_OPS", "10000"))
 SEED = int(os.environ.get("KVPOOL_DIFF_SEED", "20261130"))
-
-
-@pytest.fixture
-def quiet_pool_logs():
-    """Refused resets log a warning per call on both sides; keep the run's output short."""
-    loggers = [logging.getLogger(n) for n in ("vllm.v1.core.block_pool", "kvpool.block_pool")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    yield
-    for lg, level in zip(loggers, levels):
-        lg.setLevel(level)
 
 
 @pytest.mark.parametrize("num_blocks", [96, 1024])

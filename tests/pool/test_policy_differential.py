@@ -281,17 +281,6 @@ class PolicyWorkload(PoolWorkload):
                 seen.clear()
 
 
-@pytest.fixture
-def quiet_pool_logs():
-    import logging
-
-    lg = logging.getLogger("vllm.v1.core.block_pool")
-    level = lg.level
-    lg.setLevel(logging.ERROR)
-    yield
-    lg.setLevel(level)
-
-
 @pytest.mark.parametrize("num_blocks", [96, 1024])
 def test_contiguous_policy_keeps_vllm_hits_evictions_and_events(num_blocks, quiet_pool_logs):
     num_ops = NUM_OPS // 2

@@ -107,6 +107,22 @@ def make_request(request_id: str, prompt_token_ids: list[int], max_tokens: int):
                                hasher=engine.block_hasher(BLOCK_SIZE))
 
 
+def make_engine_core_client(multiprocess_mode: bool, num_blocks: int = 48):
+    """vLLM's sync engine-core client over :class:`ScriptedExecutor`, made by vLLM's
+    ``EngineCoreClient.make_client`` as ``LLM`` makes it: an ``InprocClient`` (an
+    ``EngineCore`` in this process), or with ``multiprocess_mode`` a ``SyncMPClient``
+    (vLLM starts the engine-core process). ``num_blocks``: the pool size, in blocks."""
+    from vllm.v1.engine.core_client import EngineCoreClient
+
+    return EngineCoreClient.make_client(
+        multiprocess_mode=multiprocess_mode,
+        asyncio_mode=False,
+        vllm_config=make_vllm_config(num_blocks),
+        executor_class=ScriptedExecutor,
+        log_stats=False,
+    )
+
+
 def make_engine_core_request(prompt_token_ids: list[int], max_tokens: int, request_id: str | None = None):
     """An ``EngineCoreRequest`` (what ``LLM.generate`` sends to the engine core)."""
     from vllm.sampling_params import SamplingParams
