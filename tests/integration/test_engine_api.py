@@ -31,6 +31,9 @@ import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
+from kvpool import patching  # noqa: E402
+from kvpool.block_pool import REORDER_ON_RESET_ENV  # noqa: E402
+
 from tests.support.scripted_engine import (  # noqa: E402
     BLOCK_SIZE,
     ScriptedExecutor,
@@ -41,9 +44,6 @@ from tests.support.scripted_engine import (  # noqa: E402
     make_vllm_config,
     scripted_output,
 )
-
-from kvpool import patching  # noqa: E402
-from kvpool.block_pool import REORDER_ON_RESET_ENV  # noqa: E402
 
 REORDER = "reset_free_block_queue_order"
 TOKEN_SPAN = 40_000  # prompt token ids stay inside opt-125m's vocabulary
