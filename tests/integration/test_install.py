@@ -109,11 +109,13 @@ def test_every_supported_version_is_a_release_of_the_matrix():
 
 def test_plugin_on_an_unsupported_vllm_warns_once_and_changes_nothing():
     proc = _run(
-        """
-        import logging
-        from kvpool import vllm_compat
-        vllm_compat.installed_vllm_version = lambda: "0.29.0"
-        """ + _START_VLLM_PROCESS
+        textwrap.dedent(
+            """
+            import logging
+            from kvpool import vllm_compat
+            vllm_compat.installed_vllm_version = lambda: "0.29.0"
+            """
+        ) + _START_VLLM_PROCESS
     )
     assert proc.returncode == 0, proc.stderr
     assert "INSTALLED False vllm.v1.core.block_pool" in proc.stdout
