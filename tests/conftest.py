@@ -23,6 +23,24 @@ def pytest_configure(config):
     os.environ.update(offline_env(_HF_HOME))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_binding_modules_imported_before_any_install():
+    """vLLM's modules that bind the block classes, imported before any test installs
+    kvpool, as a run of the whole suite imports them while collecting: a module first
+    imported while kvpool is installed binds kvpool's classes, and ``uninstall()``
+    restores only the modules it rebound, so a later test would not start from vLLM's
+    own bindings when one folder runs alone."""
+    import importlib
+
+    from kvpool import vllm_compat
+
+    for name in vllm_compat.MODULES_BINDING_BLOCK_CLASSES:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a module this vLLM release does not have
+            pass
+
+
 @pytest.fixture
 def installed():
     """kvpool installed for the test, uninstalled afterwards."""
