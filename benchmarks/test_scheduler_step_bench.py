@@ -25,7 +25,7 @@ import time
 import pytest
 
 import kvpool
-from tests.vllm_helpers import make_request, make_scheduler, runner_output
+from tests.support.scheduler import make_request, make_scheduler, runner_output
 
 #: Pool size (blocks of 16 tokens): 16 requests of up to ~1,900 tokens fill at most
 #: two thirds of it (no preemption), and the warm-up has asked for ~4x its blocks.

@@ -147,7 +147,7 @@ PYEOF
     # runtime the process loaded first (torch's libstdc++ in every vLLM process), and a
     # failing allocation then throws libstdc++'s bad_alloc through libgcc's unwinder into
     # frames whose personality routine is libc++abi's: a segmentation fault where
-    # kvpool raises MemoryError (tests/test_fault_injection.py: rc -11 at the first
+    # kvpool raises MemoryError (tests/native/test_fault_injection.py: rc -11 at the first
     # failed allocation). Local symbols bind inside the extension: its own runtime only.
     printf '{\n  global: PyInit__core;\n  local: *;\n};\n' > "$build/exports.map"
     ldflags="-Wl,--version-script=$here/$build/exports.map"

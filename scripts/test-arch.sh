@@ -22,7 +22,7 @@
 #            a Python model; no vLLM, no torch);
 #     full:  scripts/bootstrap.sh (vLLM 0.33.0's aarch64 wheel without dependencies, the
 #            CPU-side packages, torch's aarch64 wheel) with the wheel (KVPOOL_WHEEL), then
-#            kvpool's suite (tests/test_engine_core_plugin.py: the plugin active in an
+#            kvpool's suite (tests/integration/test_engine_core_plugin.py: the plugin active in an
 #            engine-core process) and vLLM 0.33.0's tests/v1/core and KV connector tests,
 #            vanilla vs kvpool (`python -m kvpool conformance`, zero regressions).
 # The environment lives in the chroot (/opt/kvpool-venv, /opt/kvpool-venv-smoke).

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kvpool under a debug CPython (Debian's python3.11-dbg: Py_DEBUG, interpreter asserts
 # on, sys.gettotalrefcount()): builds kvpool against it into .venv-dbg and runs kvpool's
-# suite plus the leak check (tests/test_leak_check.py: total reference count and live
+# suite plus the leak check (tests/native/test_leak_check.py: total reference count and live
 # object counts flat across 10^5 random pool operations on every hot path).
 #
 #   bash scripts/test-debug-python.sh            # full suite + leak check at 10^5 ops
@@ -57,6 +57,6 @@ if [ "$short" = 1 ]; then
   # The test files marked `debug` (pyproject.toml).
   "$py" -m pytest -q -p no:cacheprovider -s -m debug tests
 else
-  "$py" -m pytest -q -p no:cacheprovider -s tests/test_leak_check.py
-  "$py" -m pytest -q -p no:cacheprovider tests --deselect tests/test_leak_check.py
+  "$py" -m pytest -q -p no:cacheprovider -s tests/native/test_leak_check.py
+  "$py" -m pytest -q -p no:cacheprovider tests --deselect tests/native/test_leak_check.py
 fi

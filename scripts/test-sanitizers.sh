@@ -40,7 +40,7 @@ ldd "$so" | grep libasan >/dev/null || { echo "$so is not linked against libasan
 # memory for the process's life, so LeakSanitizer would report thousands of
 # allocations that are not kvpool's; leaks of Python objects are checked exactly by
 # the debug-interpreter run (scripts/test-debug-python.sh), and kvpool's native
-# buffers are RAII members (the C++ core's own LSan run: tests/test_cpp_core.py).
+# buffers are RAII members (the C++ core's own LSan run: tests/native/test_cpp_core.py).
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)"
 export PYTHONMALLOC=malloc
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:strict_init_order=1:check_initialization_order=1:detect_stack_use_after_return=1:allocator_may_return_null=0"

@@ -44,6 +44,21 @@ def _always_uninstall():
         kvpool.uninstall()
 
 
+@pytest.fixture
+def quiet_pool_logs():
+    """Refused resets log a warning per call on vLLM's pool and kvpool's; keeps a long
+    differential's output short."""
+    import logging
+
+    loggers = [logging.getLogger(n) for n in ("vllm.v1.core.block_pool", "kvpool.block_pool")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    yield
+    for lg, level in zip(loggers, levels):
+        lg.setLevel(level)
+
+
 @pytest.fixture(params=[True, False], ids=["small-int-fast-path", "slow-path"])
 def small_int_path(request):
     """Run the test with the block loops' small-int fast path on, then off (every

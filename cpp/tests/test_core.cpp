@@ -1,7 +1,7 @@
 // Unit tests of the C++ core without Python: the free list, the contiguous policy's
 // extent reservations and the fenced queue.
 // Build and run: g++ -std=c++17 -O1 -I cpp cpp/tests/test_core.cpp cpp/*.cpp && ./a.out
-// (tests/test_cpp_core.py does this; CMake: -DKVPOOL_BUILD_TESTS=ON, ctest).
+// (tests/native/test_cpp_core.py does this; CMake: -DKVPOOL_BUILD_TESTS=ON, ctest).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>

@@ -1,4 +1,4 @@
-"""kvpool's drop-in ``BlockPool`` for vLLM 0.33.0.
+"""kvpool's drop-in ``BlockPool`` for vLLM 0.30.0–0.33.0.
 
 A subclass of ``vllm.v1.core.block_pool.BlockPool`` whose blocks and free queue are
 kvpool's extension types and whose per-block loops (``get_new_blocks``,
@@ -111,7 +111,7 @@ class NotAKvpoolPoolError(KvpoolError, TypeError):
 
 
 class BlockPool(VllmBlockPool):
-    """Drop-in for ``vllm.v1.core.block_pool.BlockPool`` (vLLM 0.33.0).
+    """Drop-in for ``vllm.v1.core.block_pool.BlockPool`` (vLLM 0.30.0–0.33.0).
 
     Same constructor and attributes. Block 0 is the null block, popped at
     construction and never freed. Adds :meth:`reset_free_block_queue_order` (the
@@ -123,8 +123,10 @@ class BlockPool(VllmBlockPool):
         num_gpu_blocks: blocks in the pool, ``> 0``.
         enable_caching: prefix caching on/off.
         hash_block_size: tokens per block hash.
-        enable_kv_cache_events, metrics_collector, num_hash_lookahead_tokens, medium:
-            as in vLLM.
+        enable_kv_cache_events, metrics_collector, medium: as in vLLM.
+        num_hash_lookahead_tokens: as in vLLM 0.33.0 (tokens after each block covered
+            by its hash, for KV events); accepted and stored on 0.30.0–0.32.0 too,
+            whose code neither passes nor reads it.
 
     Raises:
         ValueError: ``num_gpu_blocks`` is not a positive int.
@@ -328,7 +330,7 @@ class BlockPool(VllmBlockPool):
 
     # -- reset / reorder ---------------------------------------------------------------
     def reset_prefix_cache(self, reorder_free_queue: bool = False) -> bool:
-        """Reset the prefix cache (``BlockPool.reset_prefix_cache``, vLLM 0.33.0),
+        """Reset the prefix cache (``BlockPool.reset_prefix_cache``, vLLM 0.30.0–0.33.0),
         plus the RFC's Option B.
 
         Same precondition and effects as vLLM's: refused (False, warning) unless only
@@ -433,7 +435,7 @@ class BlockPool(VllmBlockPool):
 
         The table figures come from counters the native free loop keeps
         (``FreeKVCacheBlockQueue.table_counters``): vLLM frees a request's block table
-        tail first (``SingleTypeKVCacheManager.free``, vLLM 0.30.0-0.33.0), so every
+        tail first (``SingleTypeKVCacheManager.free``, vLLM 0.30.0–0.33.0), so every
         table is counted whole once, when its request finishes or is preempted, with
         no per-allocation work in any policy.
 

@@ -1,5 +1,5 @@
 """Fault injection through a real vLLM Scheduler's deferred-free path (run by
-tests/test_fault_injection.py in a child process, like fault_sweep.py).
+tests/native/test_fault_injection.py in a child process, like fault_sweep.py).
 
 A request finishes while the step that may still write its blocks is in flight
 (async scheduling with a KV consumer): ``Scheduler._free_request_blocks`` queues its
@@ -30,7 +30,7 @@ import kvpool  # noqa: E402
 
 kvpool.install()
 
-from tests.vllm_helpers import make_request, make_scheduler  # noqa: E402
+from tests.support.scheduler import make_request, make_scheduler  # noqa: E402
 
 
 def tables(scheduler, request_id):

@@ -1,4 +1,4 @@
-"""Fault-injection sweep (run by tests/test_fault_injection.py in a child process).
+"""Fault-injection sweep (run by tests/native/test_fault_injection.py in a child process).
 
 With tests/native/failmalloc.cpp preloaded and PYTHONMALLOC=malloc, for each pool
 operation and every k = 0, 1, 2, ... the k-th allocation inside the operation fails

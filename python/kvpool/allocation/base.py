@@ -7,7 +7,7 @@ calls these hooks unconditionally, in the manner of SGLang's
 does nothing, or what vLLM 0.30.0-0.33.0's ``BlockPool`` does. A policy overrides
 what it changes; whatever it changes must keep vLLM's prefix-cache semantics (the
 same blocks hit and evicted, in the same order, the same KV events and free counts),
-checked against vLLM's own pool by ``tests/test_policy_differential.py``.
+checked against vLLM's own pool by ``tests/pool/test_policy_differential.py``.
 
 Every hook runs after vLLM's part of the operation has been done (except
 :meth:`AllocationPolicy.extend_table`, which *is* the allocation, and

@@ -79,7 +79,10 @@ def scheduler_from_config(vllm_config, kv_cache_groups: list, num_blocks: int, b
     )
 
 
-def _native_context(model: str) -> int | None:
+def _native_context_len(model: str) -> int | None:
+    """The native context length of ``model``, in tokens: ``max_position_embeddings`` of
+    the config kvpool ships for it; None when kvpool ships no config for it or the
+    config has no such field."""
     from kvpool.hf_offline import CONFIG_ROOT
 
     cfg = CONFIG_ROOT / model.replace("/", "--", 1) / "config.json"
@@ -112,8 +115,8 @@ def replay_vllm_config(workload: Workload, pool: PoolSpec):
 
     eng = workload.engine
     max_model_len = workload.max_model_len()
-    native = _native_context(eng.model)
-    overrides = {"max_position_embeddings": max_model_len} if native is not None and max_model_len > native else {}
+    native_len = _native_context_len(eng.model)
+    overrides = {"max_position_embeddings": max_model_len} if native_len is not None and max_model_len > native_len else {}
     model_config = ModelConfig(model=eng.model, dtype="bfloat16", seed=0, skip_tokenizer_init=True,
                                max_model_len=max_model_len, hf_overrides=overrides)
     max_num_batched_tokens = eng.max_num_batched_tokens or max_model_len

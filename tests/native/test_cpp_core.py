@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.paths import REPO
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++17 compiler (g++)")
 def test_cpp_core_unit_tests(tmp_path):
     exe = tmp_path / "test_core"
-    sources = [ROOT / "cpp/tests/test_core.cpp", ROOT / "cpp/free_block_list.cpp", ROOT / "cpp/fenced_free_queue.cpp"]
+    sources = [REPO / "cpp/tests/test_core.cpp", REPO / "cpp/free_block_list.cpp", REPO / "cpp/fenced_free_queue.cpp"]
     subprocess.run(
         ["g++", "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-fsanitize=address,undefined",
-         "-I", str(ROOT / "cpp"), *map(str, sources), "-o", str(exe)],
+         "-I", str(REPO / "cpp"), *map(str, sources), "-o", str(exe)],
         check=True, capture_output=True, text=True,
     )
     proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)

@@ -19,8 +19,9 @@ from kvpool.conformance import cli as conformance_cli
 from kvpool.locality import cli as locality_cli
 from kvpool.replay import cli as replay_cli
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+from tests.support.paths import REPO
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 PARSERS = {
     "replay": replay_cli.build_parser,
     "locality": locality_cli.build_parser,
@@ -35,7 +36,7 @@ def _snippets() -> list[tuple[str, str]]:
     out = []
     for path in DOCS:
         text = path.read_text()
-        name = str(path.relative_to(ROOT))
+        name = str(path.relative_to(REPO))
         for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, flags=re.S | re.M):
             out += [(name, line) for line in block.splitlines() if line.strip()]
         prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
@@ -82,7 +83,7 @@ def test_the_docs_name_kvpool_commands_at_all():
 @pytest.mark.parametrize("where,snippet,sub,args", [c for c in COMMANDS if not _is_usage(c[3])],
                          ids=lambda v: v if isinstance(v, str) and len(v) < 60 else None)
 def test_every_documented_command_parses_with_the_real_parser(where, snippet, sub, args, monkeypatch, capsys):
-    monkeypatch.chdir(ROOT)  # relative output paths of the docs are relative to the checkout
+    monkeypatch.chdir(REPO)  # relative output paths of the docs are relative to the checkout
     try:
         PARSERS[sub]().parse_args(args)
     except SystemExit:
@@ -110,7 +111,7 @@ def test_every_named_script_exists():
     named = {m for _, s in _snippets() for m in re.findall(r"\bbash (scripts/[\w.-]+\.sh)", s)}
     named |= {m for p in DOCS for m in re.findall(r"\bbash (scripts/[\w.-]+\.sh)", p.read_text())}
     assert "scripts/replay.sh" in named and "scripts/test.sh" in named
-    missing = sorted(n for n in named if not (ROOT / n).is_file())
+    missing = sorted(n for n in named if not (REPO / n).is_file())
     assert not missing
 
 
@@ -137,7 +138,7 @@ def test_the_readme_wheel_command_finds_its_interpreters():
     for py in pythons:
         if not _has_python(py.removeprefix("python")):
             pytest.skip(f"{py} is not installed on this machine")
-    proc = subprocess.run(["bash", "scripts/build-wheel.sh", "--resolve", *pythons], cwd=ROOT,
+    proc = subprocess.run(["bash", "scripts/build-wheel.sh", "--resolve", *pythons], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     for py, resolved in zip(pythons, proc.stdout.split()):

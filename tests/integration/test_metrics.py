@@ -2,7 +2,7 @@
 
 A real ``vllm serve`` cannot start on this CPU environment (vLLM is installed without
 its CPU kernels and there are no weights), so the end-to-end tests run
-tests/metrics_harness.py in a fresh process: vLLM's real ``Scheduler`` (no model) steps
+tests/integration/metrics_harness.py in a fresh process: vLLM's real ``Scheduler`` (no model) steps
 a few requests with ``log_stats=True``; ``make_stats()`` output goes through vLLM's
 ``MsgpackEncoder`` / ``MsgpackDecoder(EngineCoreOutputs)`` (what crosses from the engine
 core to the API server) into vLLM's ``StatLoggerManager``; then vLLM's ``/metrics`` route
@@ -25,7 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 import kvpool
 from kvpool.patches import metrics
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
+
+HARNESS = Path(__file__).resolve().with_name("metrics_harness.py")
+
 LABELS = {"model_name": "Qwen/Qwen3-0.6B", "engine": "0"}
 GAUGE_KEYS = {name: key for name, key, _, _ in metrics.GAUGES}
 
@@ -45,7 +48,7 @@ def _harness(*args: str, disable_plugin: bool) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(Path(kvpool.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     if disable_plugin:
         env["KVPOOL_DISABLE"] = "1"
-    cmd = [sys.executable, str(REPO / "tests" / "metrics_harness.py"), *args]
+    cmd = [sys.executable, str(HARNESS), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -3,10 +3,10 @@ one place that knows each release (``kvpool.vllm_compat``)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from kvpool import vllm_compat
 from kvpool.conformance import cli, matrix
+
+from tests.support.paths import REPO
 
 
 def test_matrix_arguments_are_not_forwarded_to_each_release_run():
@@ -20,9 +20,8 @@ def test_unknown_release_is_refused_before_anything_is_built(capsys):
 
 
 def test_every_release_has_its_pins_file():
-    root = Path(__file__).resolve().parents[1]
     for version in vllm_compat.VLLM_RELEASES:
-        pins = (root / "requirements" / f"vllm-{version}.txt").read_text()
+        pins = (REPO / "requirements" / f"vllm-{version}.txt").read_text()
         assert any(line.startswith("xgrammar==") for line in pins.splitlines()), version
 
 

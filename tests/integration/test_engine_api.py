@@ -7,7 +7,7 @@ How real each layer is (see also docs/reorder-api.md):
 * ``Scheduler``: vLLM's, built as vLLM's ``create_scheduler`` builds it; requests
   run through ``schedule()`` / ``update_from_output()`` with a scripted model output.
 * ``EngineCore`` + ``InprocClient``: a real ``EngineCore`` built in this process by
-  vLLM's ``InprocClient`` over :class:`engine_api_support.ScriptedExecutor` (no model).
+  vLLM's ``InprocClient`` over :class:`tests.support.scripted_engine.ScriptedExecutor` (no model).
 * ``SyncMPClient`` / ``AsyncMPClient``: vLLM's clients start a real engine-core
   process (spawn) through ``launch_core_engines``; kvpool gets there only through the
   ``vllm.general_plugins`` entry point, and the reorder runs through vLLM's
@@ -25,15 +25,25 @@ import asyncio
 import inspect
 import os
 import random
+from contextlib import contextmanager
 
 import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-import engine_api_support as support  # noqa: E402
-
 from kvpool import patching  # noqa: E402
 from kvpool.block_pool import REORDER_ON_RESET_ENV  # noqa: E402
+
+from tests.support.scripted_engine import (  # noqa: E402
+    BLOCK_SIZE,
+    ScriptedExecutor,
+    make_engine_core_client,
+    make_engine_core_request,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    scripted_output,
+)
 
 REORDER = "reset_free_block_queue_order"
 TOKEN_SPAN = 40_000  # prompt token ids stay inside opt-125m's vocabulary
@@ -92,7 +102,7 @@ def run_scheduler(scheduler, requests, *, max_steps: int = 500) -> dict[str, lis
         so = scheduler.schedule()
         for new in so.scheduled_new_reqs:
             tables.setdefault(new.req_id, list(new.block_ids[0]))
-        scheduler.update_from_output(so, support.scripted_output(so))
+        scheduler.update_from_output(so, scripted_output(so))
     raise AssertionError("requests did not finish")
 
 
@@ -100,13 +110,13 @@ def scramble_round(prefix: str) -> list:
     """Four requests of 10 prompt blocks that finish in the order B, D, C, A: together
     they use 44 of a 48-block pool and leave the free queue out of id order."""
     return [
-        support.make_request(f"{prefix}-{name}", fresh_prompt(10 * support.BLOCK_SIZE), max_tokens=n)
+        make_request(f"{prefix}-{name}", fresh_prompt(10 * BLOCK_SIZE), max_tokens=n)
         for name, n in zip("ABCD", (12, 3, 9, 6))
     ]
 
 
 def scrambled_scheduler(num_blocks: int = 48, kv_cache_groups=None):
-    scheduler = support.make_scheduler(support.make_vllm_config(num_blocks), kv_cache_groups, num_blocks)
+    scheduler = make_scheduler(make_vllm_config(num_blocks), kv_cache_groups, num_blocks)
     run_scheduler(scheduler, scramble_round("warm"))
     pool = scheduler.kv_cache_manager.block_pool
     assert free_ids(pool) != canonical(num_blocks), "precondition: the round scrambles the free queue"
@@ -114,18 +124,18 @@ def scrambled_scheduler(num_blocks: int = 48, kv_cache_groups=None):
 
 
 def next_prompt_table(scheduler, num_prompt_blocks: int = 4) -> list[int]:
-    req = support.make_request(
-        f"probe-{next(_prompt_counter)}", fresh_prompt(num_prompt_blocks * support.BLOCK_SIZE), max_tokens=1
+    req = make_request(
+        f"probe-{next(_prompt_counter)}", fresh_prompt(num_prompt_blocks * BLOCK_SIZE), max_tokens=1
     )
     return run_scheduler(scheduler, [req])[req.request_id][:num_prompt_blocks]
 
 
 def start_running_request(scheduler):
     """Schedule one long request for one step: it holds its prompt blocks."""
-    req = support.make_request(f"running-{next(_prompt_counter)}", fresh_prompt(3 * support.BLOCK_SIZE), max_tokens=40)
+    req = make_request(f"running-{next(_prompt_counter)}", fresh_prompt(3 * BLOCK_SIZE), max_tokens=40)
     scheduler.add_request(req)
     so = scheduler.schedule()
-    scheduler.update_from_output(so, support.scripted_output(so))
+    scheduler.update_from_output(so, scripted_output(so))
     assert scheduler.running, "precondition: the request is running"
     return req
 
@@ -139,7 +149,7 @@ def _full_spec():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    return FullAttentionSpec(block_size=support.BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    return FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
 
 
 def _manager(kv_cache_groups, num_blocks: int = 32, enable_caching: bool = True, **config_kwargs):
@@ -150,8 +160,8 @@ def _manager(kv_cache_groups, num_blocks: int = 32, enable_caching: bool = True,
     return KVCacheManager(
         config,
         max_model_len=256,
-        scheduler_block_size=support.BLOCK_SIZE,
-        hash_block_size=support.BLOCK_SIZE,
+        scheduler_block_size=BLOCK_SIZE,
+        hash_block_size=BLOCK_SIZE,
         enable_caching=enable_caching,
     )
 
@@ -186,7 +196,7 @@ def test_full_plus_sliding_window_hybrid_shares_one_pool_and_reorders_it():
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec
 
     swa = SlidingWindowSpec(
-        block_size=support.BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=2 * support.BLOCK_SIZE
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=2 * BLOCK_SIZE
     )
     manager = _manager([KVCacheGroupSpec(["full"], _full_spec()), KVCacheGroupSpec(["swa"], swa)])
     coordinator = manager.coordinator
@@ -204,7 +214,7 @@ def _hisparse_manager():
     from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
     from vllm.v1.kv_cache_interface import HiSparseHotSpec, HiSparseResidentSpec, KVCacheGroupRole, KVCacheGroupSpec
 
-    bs = support.BLOCK_SIZE
+    bs = BLOCK_SIZE
     # The group layout of vLLM 0.33.0's tests/v1/core/test_prefix_caching.py
     # make_hisparse_kv_cache_config: the source group moves to a private host pool.
     groups = [
@@ -360,16 +370,10 @@ def test_scheduler_interface_default_raises_and_subclasses_inherit():
 # -- EngineCore and InprocClient (a real EngineCore in this process) ---------------------
 @pytest.fixture(scope="module")
 def inproc_client():
-    from vllm.v1.engine.core_client import EngineCoreClient, InprocClient
+    from vllm.v1.engine.core_client import InprocClient
 
     patching.install()
-    client = EngineCoreClient.make_client(
-        multiprocess_mode=False,
-        asyncio_mode=False,
-        vllm_config=support.make_vllm_config(48),
-        executor_class=support.ScriptedExecutor,
-        log_stats=False,
-    )
+    client = make_engine_core_client(multiprocess_mode=False)
     assert type(client) is InprocClient
     yield client
     client.shutdown()
@@ -402,20 +406,20 @@ def client_scramble(client) -> None:
     run_client_round(
         client,
         [
-            support.make_engine_core_request(fresh_prompt(10 * support.BLOCK_SIZE), max_tokens=n)
+            make_engine_core_request(fresh_prompt(10 * BLOCK_SIZE), max_tokens=n)
             for n in (12, 3, 9, 6)
         ],
     )
 
 
 def client_probe(client, num_prompt_blocks: int = 4) -> list[int]:
-    req = support.make_engine_core_request(fresh_prompt(num_prompt_blocks * support.BLOCK_SIZE), max_tokens=1)
+    req = make_engine_core_request(fresh_prompt(num_prompt_blocks * BLOCK_SIZE), max_tokens=1)
     return run_client_round(client, [req])[req.request_id][:num_prompt_blocks]
 
 
 def start_client_request(client):
     """Add a long request and wait for its first token: it then holds blocks."""
-    req = support.make_engine_core_request(fresh_prompt(3 * support.BLOCK_SIZE), max_tokens=400)
+    req = make_engine_core_request(fresh_prompt(3 * BLOCK_SIZE), max_tokens=400)
     client.add_request(req)
     while not any(o.request_id == req.request_id for o in client.get_output().outputs):
         pass
@@ -444,6 +448,27 @@ def _llm_over(client):
     return llm
 
 
+def assert_each_layer_reorders(client, reorders) -> None:
+    """Each of ``reorders`` (layers' ``reset_free_block_queue_order`` over ``client``)
+    restores block-id order of the scrambled free queue behind ``client``."""
+    for reorder in reorders:
+        client_scramble(client)
+        assert reorder() is True
+        assert client_probe(client) == [1, 2, 3, 4]
+
+
+def assert_llm_reset_prefix_cache_reorders_only_with_the_flag(client) -> None:
+    """``LLM.reset_prefix_cache()`` over ``client`` leaves the free queue scrambled;
+    with ``reorder_free_queue=True`` it restores block-id order."""
+    llm = _llm_over(client)
+    client_scramble(client)
+    assert llm.reset_prefix_cache() is True
+    assert client_probe(client) != [1, 2, 3, 4]
+    client_scramble(client)
+    assert llm.reset_prefix_cache(reorder_free_queue=True) is True
+    assert client_probe(client) == [1, 2, 3, 4]
+
+
 def test_engine_core_reorder_reaches_the_scheduler_pools(inproc_client):
     engine_core = inproc_client.engine_core
     client_scramble(inproc_client)
@@ -454,11 +479,9 @@ def test_engine_core_reorder_reaches_the_scheduler_pools(inproc_client):
 
 def test_inproc_client_llm_engine_and_llm_reorder(inproc_client):
     llm = _llm_over(inproc_client)
-    for reorder in (inproc_client.reset_free_block_queue_order, llm.llm_engine.reset_free_block_queue_order,
-                    llm.reset_free_block_queue_order):
-        client_scramble(inproc_client)
-        assert reorder() is True
-        assert client_probe(inproc_client) == [1, 2, 3, 4]
+    assert_each_layer_reorders(inproc_client, (inproc_client.reset_free_block_queue_order,
+                                               llm.llm_engine.reset_free_block_queue_order,
+                                               llm.reset_free_block_queue_order))
 
 
 def test_inproc_layers_refuse_while_a_request_holds_blocks(inproc_client):
@@ -481,35 +504,32 @@ def test_inproc_layers_refuse_while_a_request_holds_blocks(inproc_client):
 
 
 def test_llm_reset_prefix_cache_flag_reorders_in_process(inproc_client):
-    llm = _llm_over(inproc_client)
-    client_scramble(inproc_client)
-    assert llm.reset_prefix_cache() is True
-    assert client_probe(inproc_client) != [1, 2, 3, 4]
-    client_scramble(inproc_client)
-    assert llm.reset_prefix_cache(reorder_free_queue=True) is True
-    assert client_probe(inproc_client) == [1, 2, 3, 4]
+    assert_llm_reset_prefix_cache_reorders_only_with_the_flag(inproc_client)
 
 
 # -- SyncMPClient: a real engine-core process --------------------------------------------
-@pytest.fixture(scope="module")
-def mp_client():
-    """vLLM's SyncMPClient with its engine-core process spawned by vLLM (spawn, so
-    the process imports vLLM afresh and gets kvpool only from the plugin entry point)."""
-    from vllm.v1.engine.core_client import EngineCoreClient, SyncMPClient
-
+@contextmanager
+def engine_core_process_env():
+    """The environment while vLLM starts an engine-core process (restored after): spawn,
+    so the process imports vLLM afresh and gets kvpool only from the plugin entry point;
+    the plugin neither disabled nor filtered out; no reorder switch."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         mp.delenv("KVPOOL_DISABLE", raising=False)
         mp.delenv("VLLM_PLUGINS", raising=False)
         mp.delenv(REORDER_ON_RESET_ENV, raising=False)
         _vllm_envs_uncached()
-        client = EngineCoreClient.make_client(
-            multiprocess_mode=True,
-            asyncio_mode=False,
-            vllm_config=support.make_vllm_config(48),
-            executor_class=support.ScriptedExecutor,
-            log_stats=False,
-        )
+        yield
+
+
+@pytest.fixture(scope="module")
+def mp_client():
+    """vLLM's SyncMPClient with its engine-core process spawned by vLLM (spawn, so
+    the process imports vLLM afresh and gets kvpool only from the plugin entry point)."""
+    from vllm.v1.engine.core_client import SyncMPClient
+
+    with engine_core_process_env():
+        client = make_engine_core_client(multiprocess_mode=True)
     assert type(client) is SyncMPClient
     yield client
     client.shutdown()
@@ -528,11 +548,9 @@ def test_engine_core_process_runs_the_reorder_through_call_utility(mp_client):
 @pytest.mark.slow  # starts an engine-core process
 def test_llm_over_sync_mp_client_reorders_the_engine_core_process(mp_client):
     llm = _llm_over(mp_client)
-    for reorder in (mp_client.reset_free_block_queue_order, llm.llm_engine.reset_free_block_queue_order,
-                    llm.reset_free_block_queue_order):
-        client_scramble(mp_client)
-        assert reorder() is True
-        assert client_probe(mp_client) == [1, 2, 3, 4]
+    assert_each_layer_reorders(mp_client, (mp_client.reset_free_block_queue_order,
+                                           llm.llm_engine.reset_free_block_queue_order,
+                                           llm.reset_free_block_queue_order))
 
 
 @pytest.mark.slow  # starts an engine-core process
@@ -550,13 +568,7 @@ def test_sync_mp_layers_refuse_while_a_request_holds_blocks(mp_client):
 
 @pytest.mark.slow  # starts an engine-core process
 def test_llm_reset_prefix_cache_flag_reorders_the_engine_core_process(mp_client):
-    llm = _llm_over(mp_client)
-    client_scramble(mp_client)
-    assert llm.reset_prefix_cache() is True
-    assert client_probe(mp_client) != [1, 2, 3, 4]
-    client_scramble(mp_client)
-    assert llm.reset_prefix_cache(reorder_free_queue=True) is True
-    assert client_probe(mp_client) == [1, 2, 3, 4]
+    assert_llm_reset_prefix_cache_reorders_only_with_the_flag(mp_client)
 
 
 @pytest.mark.slow  # starts an engine-core process
@@ -602,8 +614,8 @@ class AsyncEngine:
 
         async def make():
             return EngineCoreClient.make_async_mp_client(
-                vllm_config=support.make_vllm_config(48),
-                executor_class=support.ScriptedExecutor,
+                vllm_config=make_vllm_config(48),
+                executor_class=ScriptedExecutor,
                 log_stats=False,
             )
 
@@ -630,15 +642,15 @@ class AsyncEngine:
         return tables
 
     def scramble(self) -> None:
-        reqs = [support.make_engine_core_request(fresh_prompt(10 * support.BLOCK_SIZE), max_tokens=n) for n in (12, 3, 9, 6)]
+        reqs = [make_engine_core_request(fresh_prompt(10 * BLOCK_SIZE), max_tokens=n) for n in (12, 3, 9, 6)]
         self.run(self.round(reqs))
 
     def probe(self, num_prompt_blocks: int = 4) -> list[int]:
-        req = support.make_engine_core_request(fresh_prompt(num_prompt_blocks * support.BLOCK_SIZE), max_tokens=1)
+        req = make_engine_core_request(fresh_prompt(num_prompt_blocks * BLOCK_SIZE), max_tokens=1)
         return self.run(self.round([req]))[req.request_id][:num_prompt_blocks]
 
     def start_request(self):
-        req = support.make_engine_core_request(fresh_prompt(3 * support.BLOCK_SIZE), max_tokens=400)
+        req = make_engine_core_request(fresh_prompt(3 * BLOCK_SIZE), max_tokens=400)
 
         async def go():
             await self.client.add_request_async(req)
@@ -669,12 +681,7 @@ class AsyncEngine:
 
 @pytest.fixture(scope="module")
 def async_engine():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        mp.delenv("KVPOOL_DISABLE", raising=False)
-        mp.delenv("VLLM_PLUGINS", raising=False)
-        mp.delenv(REORDER_ON_RESET_ENV, raising=False)
-        _vllm_envs_uncached()
+    with engine_core_process_env():
         engine = AsyncEngine()
     yield engine
     engine.close()

@@ -21,7 +21,7 @@ from vllm.v1.kv_cache_interface import (
 import kvpool
 from kvpool import allocation
 from kvpool.block_pool import BlockPool
-from vllm_helpers import make_request, make_scheduler, runner_output
+from tests.support.scheduler import make_request, make_scheduler, runner_output
 
 COMMON = dict(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32)
 SPECS = {
@@ -33,15 +33,21 @@ SPECS = {
 }
 
 
+def _uncached_manager(spec, pool):
+    """vLLM's single-type manager for ``spec`` on ``pool``: KV cache group 0, 16-token
+    blocks, no prefix caching."""
+    return get_manager_for_kv_cache_spec(
+        spec, max_in_flight_tokens=2048, max_model_len=4096, block_pool=pool, enable_caching=False,
+        kv_cache_group_id=0, scheduler_block_size=16)
+
+
 def _grow_interleaved(spec, policy: str) -> tuple[dict[str, list[int]], dict]:
     """Four requests of one KV cache group grow by 3 blocks a step, interleaved (as a
     batch decodes), through vLLM's manager for ``spec`` on a kvpool pool."""
     kvpool.install(allocation=policy)
     try:
         pool = BlockPool(512, False, 16)
-        manager = get_manager_for_kv_cache_spec(
-            spec, max_in_flight_tokens=2048, max_model_len=4096, block_pool=pool, enable_caching=False,
-            kv_cache_group_id=0, scheduler_block_size=16)
+        manager = _uncached_manager(spec, pool)
         for r in range(4):
             pool._policy.expect_tokens(f"r{r}", 16 * 15)  # what allocate_slots records: prompt + max_tokens
         for step in range(1, 6):
@@ -269,9 +275,7 @@ def test_table_statistics_count_each_freed_table_through_vllm_s_manager(policy):
     kvpool.install(allocation=policy)
     try:
         pool = BlockPool(64, False, 16)
-        manager = get_manager_for_kv_cache_spec(
-            SPECS["full"], max_in_flight_tokens=2048, max_model_len=4096, block_pool=pool,
-            enable_caching=False, kv_cache_group_id=0, scheduler_block_size=16)
+        manager = _uncached_manager(SPECS["full"], pool)
         for step in range(1, 4):
             manager.allocate_new_blocks("r", 16 * 3 * step, 16 * 3 * step)
         table = [b.block_id for b in manager.req_to_blocks["r"]]

@@ -6,7 +6,7 @@ CPython's small-int array and batch the small ints' reference counts
 drift with every call. This runs 10^5 random pool operations (``KVPOOL_LEAK_OPS``) after
 a warm-up over every hot path: allocation, free, touch, unpin, evict, deferred push and
 drain, the canonical reorder, and the error and rollback paths
-(``tests/pool_workload.py``), and asserts that at quiescent points (everything freed,
+(``tests/support/pool_workload.py``), and asserts that at quiescent points (everything freed,
 deferred queue drained, prefix cache reset) these stay flat within a small fixed slack:
 
 - ``sys.gettotalrefcount()`` (only on a ``Py_DEBUG`` interpreter:
@@ -28,7 +28,7 @@ import pytest
 
 from kvpool import FencedDeferredFreeQueue, FreeKVCacheBlockQueue, KVCacheBlock
 from kvpool._core import BlockTable
-from pool_workload import KvpoolSide, PoolWorkload
+from tests.support.pool_workload import KvpoolSide, PoolWorkload
 
 # The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
 pytestmark = [pytest.mark.sanitizer, pytest.mark.debug, pytest.mark.slow]

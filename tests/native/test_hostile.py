@@ -19,7 +19,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock as VllmKVCacheBlock
 import kvpool
 from kvpool._core import FencedDeferredFreeQueue, FreeKVCacheBlockQueue, KVCacheBlock, make_pool_blocks
 from kvpool.block_pool import BlockPool, NotAKvpoolPoolError, VllmBlockPool
-from tests.vllm_helpers import make_request, make_scheduler, runner_output
+from tests.support.scheduler import make_request, make_scheduler, runner_output
 
 # The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
 pytestmark = [pytest.mark.sanitizer, pytest.mark.debug]

@@ -26,8 +26,8 @@ import kvpool
 from kvpool.patches import metrics as pool_metrics
 from kvpool.replay import metrics, report
 from kvpool.replay.modes import mode_unavailable_reason
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 TRANSFER_ROUND_KEYS = {
     "prompts", "prompt_descriptors_median", "prompt_descriptors_p90", "prompt_descriptors_max",
@@ -195,12 +195,12 @@ def test_descriptor_counters_add_up_and_the_gauge_follows_tables_not_pairs():
 
 
 def test_descriptor_metrics_reach_vllms_metrics_route_from_a_real_scheduler():
-    """tests/metrics_harness.py (vLLM's scheduler on kvpool's pool, msgpack, vLLM's
+    """tests/integration/metrics_harness.py (vLLM's scheduler on kvpool's pool, msgpack, vLLM's
     StatLoggerManager, the /metrics route): the counters carry the snapshot's values."""
     _kvpool_pool_or_skip()
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
     env["PYTHONPATH"] = os.pathsep.join([str(Path(kvpool.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, str(REPO / "tests" / "metrics_harness.py"), "kvpool"]
+    cmd = [sys.executable, str(REPO / "tests" / "integration" / "metrics_harness.py"), "kvpool"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     rep = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -295,7 +295,7 @@ def test_existing_comparison_keys_keep_their_order_before_the_transfer_keys(serv
 
 
 # GRPO rounds of ~420 blocks of 16 tokens wrap a 1,500-block pool in round 3 (as in
-# tests/test_replay.py): vanilla then hands out blocks earlier rounds freed, tail first.
+# tests/cli/test_replay.py): vanilla then hands out blocks earlier rounds freed, tail first.
 GRPO_WRAP = ("--workload", "grpo", "--num-blocks", "1500", "--block-size", "16", "--rounds", "5",
              "--prompt-len", "2000,3000", "--output-len", "40,160", "--seed", "3", "--save-tables")
 

@@ -1,6 +1,6 @@
 """Engine core -> frontend -> ``/metrics`` for kvpool's pool metrics, without a model.
 
-Run as a script by tests/test_metrics.py (a fresh process: msgspec caches a type's
+Run as a script by tests/integration/test_metrics.py (a fresh process: msgspec caches a type's
 layout when its first decoder is built, as in a real API server, where kvpool's plugin
 installs before that). Prints one JSON object:
 
@@ -11,7 +11,7 @@ installs before that). Prints one JSON object:
   ``StatLoggerManager.record()`` was given the decoded stats (what ``/metrics`` serves);
 - ``after_uninstall``: whether vLLM's classes are back.
 
-Usage: ``python tests/metrics_harness.py {kvpool|fake} [--contiguous]``. ``kvpool``:
+Usage: ``python tests/integration/metrics_harness.py {kvpool|fake} [--contiguous]``. ``kvpool``:
 ``kvpool.install()`` (``kvpool.patches.metrics`` applied by it when listed in ``PATCH_MODULES``,
 else here). ``fake``: vLLM's own pool, given a ``fragmentation_stats`` computed in
 Python, and only ``kvpool.patches.metrics.apply`` (needs no native build).

@@ -4,7 +4,7 @@ kvpool is active, and the reorder works from ``LLM`` down to its pools.
 
 Nothing here installs kvpool by hand, and the test imports kvpool from wherever the
 interpreter finds it (the checkout when editable, site-packages when installed from
-a wheel; ``scripts/test-wheel.sh`` runs this file against the built wheel)."""
+a wheel; ``scripts/test-python.sh`` runs this file against the built wheel)."""
 
 from __future__ import annotations
 
@@ -13,25 +13,20 @@ import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
+from tests.support.paths import REPO
 
 SCRIPT = """
 import os, sys
-sys.path.insert(0, {tests!r})
+sys.path.insert(0, {repo!r})
 from vllm.plugins import load_general_plugins
 load_general_plugins()  # what LLM / the engine args do in the front-end process
-from vllm.v1.engine.core_client import EngineCoreClient
-import engine_api_support as support
-import test_engine_api as t
+from tests.support.scripted_engine import make_engine_core_client
+from tests.integration import test_engine_api as t
 
-client = EngineCoreClient.make_client(
-    multiprocess_mode=True, asyncio_mode=False, vllm_config=support.make_vllm_config(48),
-    executor_class=support.ScriptedExecutor, log_stats=False,
-)
+client = make_engine_core_client(multiprocess_mode=True)
 try:
     llm = t._llm_over(client)
     t.client_scramble(client)
@@ -52,7 +47,7 @@ def test_engine_core_started_by_vllm_runs_kvpool_and_llm_reorders_it():
     env = {k: v for k, v in os.environ.items() if k not in ("KVPOOL_DISABLE", "VLLM_PLUGINS", "KVPOOL_REORDER_ON_RESET")}
     env.update(VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_TARGET_DEVICE="cpu")
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT.format(tests=str(TESTS)))],
+        [sys.executable, "-c", textwrap.dedent(SCRIPT.format(repo=str(REPO)))],
         capture_output=True, text=True, env=env, timeout=600,
     )
     out = proc.stdout + proc.stderr

@@ -73,7 +73,7 @@ def test_umbp_lookup_pool_is_rebased_when_importable():
 
 
 def test_scheduler_built_after_install_uses_kvpool(installed):
-    from vllm_helpers import make_request, make_scheduler
+    from tests.support.scheduler import make_request, make_scheduler
 
     scheduler = make_scheduler(num_blocks=100)
     pool = scheduler.kv_cache_manager.block_pool
@@ -109,18 +109,13 @@ def test_every_supported_version_is_a_release_of_the_matrix():
 
 def test_plugin_on_an_unsupported_vllm_warns_once_and_changes_nothing():
     proc = _run(
-        """
-        import logging
-        from kvpool import vllm_compat
-        vllm_compat.installed_vllm_version = lambda: "0.29.0"
-        from vllm.logger import _configure_vllm_root_logger
-        _configure_vllm_root_logger()
-        from vllm.plugins import load_general_plugins
-        load_general_plugins()
-        import kvpool
-        from vllm.v1.core import block_pool
-        print("INSTALLED", kvpool.is_installed(), block_pool.BlockPool.__module__)
-        """
+        textwrap.dedent(
+            """
+            import logging
+            from kvpool import vllm_compat
+            vllm_compat.installed_vllm_version = lambda: "0.29.0"
+            """
+        ) + _START_VLLM_PROCESS
     )
     assert proc.returncode == 0, proc.stderr
     assert "INSTALLED False vllm.v1.core.block_pool" in proc.stdout
@@ -166,18 +161,21 @@ def _run(code: str, **env):
                           text=True, env=full_env, timeout=300)
 
 
+#: What a vLLM process runs first (its root logger, then its general plugins); prints
+#: whether kvpool is installed and where vLLM's ``BlockPool`` binding comes from.
+_START_VLLM_PROCESS = """
+from vllm.logger import _configure_vllm_root_logger
+_configure_vllm_root_logger()
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+import kvpool
+from vllm.v1.core import block_pool
+print("INSTALLED", kvpool.is_installed(), block_pool.BlockPool.__module__)
+"""
+
+
 def test_vllm_plugin_loader_activates_kvpool_in_a_fresh_process():
-    proc = _run(
-        """
-        from vllm.logger import _configure_vllm_root_logger
-        _configure_vllm_root_logger()
-        from vllm.plugins import load_general_plugins
-        load_general_plugins()
-        import kvpool
-        from vllm.v1.core import block_pool
-        print("INSTALLED", kvpool.is_installed(), block_pool.BlockPool.__module__)
-        """
-    )
+    proc = _run(_START_VLLM_PROCESS)
     assert proc.returncode == 0, proc.stderr
     assert "INSTALLED True kvpool.block_pool" in proc.stdout
     assert "kvpool 0.1.0 active" in proc.stdout + proc.stderr

@@ -10,7 +10,7 @@ import kvpool
 from kvpool import FencedDeferredFreeQueue
 from kvpool.block_pool import BlockPool
 from vllm.v1.request import RequestStatus
-from vllm_helpers import block_ids, eviction_order, make_request, make_scheduler
+from tests.support.scheduler import block_ids, eviction_order, make_request, make_scheduler
 
 # The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
 pytestmark = [pytest.mark.sanitizer]

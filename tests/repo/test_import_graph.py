@@ -14,8 +14,9 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PKG = ROOT / "python" / "kvpool"
+from tests.support.paths import REPO
+
+PKG = REPO / "python" / "kvpool"
 
 #: Units (top-level modules and subpackages of ``kvpool``; ``""`` is the package's
 #: ``__init__``), lowest layer first.
@@ -82,7 +83,7 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 def _extension_imports() -> list[tuple[str, int, str]]:
     pattern = re.compile(r"^\s*(?:from\s+(kvpool[\w.]*)\s+import\b|import\s+(kvpool[\w.]*))")
     found = []
-    for path in sorted((ROOT / "src" / "kvpool").glob("*.p[yx][xi]")):
+    for path in sorted((REPO / "src" / "kvpool").glob("*.p[yx][xi]")):
         for lineno, line in enumerate(path.read_text().splitlines(), 1):
             m = pattern.match(line)
             if m:
@@ -96,7 +97,7 @@ def _edges() -> list[tuple[str, int, str, str]]:
     for path in sorted(PKG.rglob("*.py")):
         unit = _unit(_module_name(path))
         for line, target in _imports(path):
-            edges.append((str(path.relative_to(ROOT)), line, unit, _unit(target)))
+            edges.append((str(path.relative_to(REPO)), line, unit, _unit(target)))
     edges += [(f, line, "_core", _unit(target)) for f, line, target in _extension_imports()]
     return [e for e in edges if e[2] != e[3]]
 

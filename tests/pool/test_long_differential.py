@@ -2,12 +2,12 @@
 side in one process (kvpool not installed), over allocation, frees in random order,
 caching under hashes, cache hits with ``touch``, ``evict_blocks``, ``unpin_blocks`` with
 reuse watchers, deferred frees of two KV cache groups through the fenced queue,
-``reset_prefix_cache`` and the canonical reorder (``tests/pool_workload.py``).
+``reset_prefix_cache`` and the canonical reorder (``tests/support/pool_workload.py``).
 
 Returned ids, free counts and reuse callbacks are compared after every operation, the
 whole free-queue order, ref counts and hashes every 500 operations.
 
-    KVPOOL_DIFF_OPS=1000000 python -m pytest tests/test_long_differential.py -s
+    KVPOOL_DIFF_OPS=1000000 python -m pytest tests/pool/test_long_differential.py -s
 
 runs 10^6 operations (default: 10^4 in the plain suite; CI sets 10^5);
 ``KVPOOL_DIFF_SEED`` picks the seed (printed either way).
@@ -15,31 +15,18 @@ runs 10^6 operations (default: 10^4 in the plain suite; CI sets 10^5);
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 
 import pytest
 
-from pool_workload import KvpoolSide, PoolWorkload, VllmSide
+from tests.support.pool_workload import KvpoolSide, PoolWorkload, VllmSide
 
 # The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
 pytestmark = [pytest.mark.sanitizer, pytest.mark.slow]
 
 NUM_OPS = int(os.environ.get("KVPOOL_DIFF_OPS", "10000"))
 SEED = int(os.environ.get("KVPOOL_DIFF_SEED", "20261130"))
-
-
-@pytest.fixture
-def quiet_pool_logs():
-    """Refused resets log a warning per call on both sides; keep the run's output short."""
-    loggers = [logging.getLogger(n) for n in ("vllm.v1.core.block_pool", "kvpool.block_pool")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    yield
-    for lg, level in zip(loggers, levels):
-        lg.setLevel(level)
 
 
 @pytest.mark.parametrize("num_blocks", [96, 1024])

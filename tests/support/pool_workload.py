@@ -1,6 +1,6 @@
 """Random block-pool operations applied in lockstep to vLLM 0.33.0's ``BlockPool`` and
-kvpool's (``tests/test_long_differential.py``), or to kvpool's alone with its error and
-rollback paths (``tests/test_leak_check.py``, which also runs under a debug interpreter).
+kvpool's (``tests/pool/test_long_differential.py``), or to kvpool's alone with its error and
+rollback paths (``tests/native/test_leak_check.py``, which also runs under a debug interpreter).
 
 One operation draws its arguments once from the workload's ``random.Random`` and applies
 them to every side; with two sides, what each returns (block ids, free counts, reuse

@@ -13,8 +13,8 @@
   ``collective_rpc`` utility.
 
 Must stay importable by name in a spawned engine-core process, where the executor
-class is unpickled (pytest puts ``tests/`` on ``sys.path``; multiprocessing's spawn
-passes ``sys.path`` on).
+class is unpickled as ``tests.support.scripted_engine.ScriptedExecutor`` (pytest puts the
+repository root on ``sys.path``; multiprocessing's spawn passes ``sys.path`` on).
 """
 
 from __future__ import annotations
@@ -105,6 +105,22 @@ def make_request(request_id: str, prompt_token_ids: list[int], max_tokens: int):
 
     return engine.make_request(request_id, prompt_token_ids, max_tokens=max_tokens, eos_token_id=2,
                                hasher=engine.block_hasher(BLOCK_SIZE))
+
+
+def make_engine_core_client(multiprocess_mode: bool, num_blocks: int = 48):
+    """vLLM's sync engine-core client over :class:`ScriptedExecutor`, made by vLLM's
+    ``EngineCoreClient.make_client`` as ``LLM`` makes it: an ``InprocClient`` (an
+    ``EngineCore`` in this process), or with ``multiprocess_mode`` a ``SyncMPClient``
+    (vLLM starts the engine-core process). ``num_blocks``: the pool size, in blocks."""
+    from vllm.v1.engine.core_client import EngineCoreClient
+
+    return EngineCoreClient.make_client(
+        multiprocess_mode=multiprocess_mode,
+        asyncio_mode=False,
+        vllm_config=make_vllm_config(num_blocks),
+        executor_class=ScriptedExecutor,
+        log_stats=False,
+    )
 
 
 def make_engine_core_request(prompt_token_ids: list[int], max_tokens: int, request_id: str | None = None):

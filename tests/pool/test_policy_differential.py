@@ -1,7 +1,7 @@
 """The contiguous allocation policy against vanilla vLLM 0.33.0's ``BlockPool``: a long
 random differential in which only the ids of uncached allocations may differ.
 
-The random operations of ``tests/pool_workload.py`` (allocation, frees in random order,
+The random operations of ``tests/support/pool_workload.py`` (allocation, frees in random order,
 caching under hashes, cache hits with ``touch``, ``evict_blocks``, ``unpin_blocks`` with
 reuse watchers, deferred frees of two KV cache groups, resets) plus table growth (a
 request's group gets more blocks, as decode does) run on vLLM's pool and on kvpool's
@@ -17,7 +17,7 @@ the reuse callbacks of LRU blocks agree under that mapping, and blocks taken fro
 LRU segment must be the mapped ones; every 500 operations the cached keys, the held
 blocks' ref counts and the whole LRU segment's order agree too.
 
-    KVPOOL_POLICY_DIFF_OPS=1000000 python -m pytest tests/test_policy_differential.py -s
+    KVPOOL_POLICY_DIFF_OPS=1000000 python -m pytest tests/pool/test_policy_differential.py -s
 
 runs 10^6 operations (default 2*10^4 in the plain suite; CI sets 10^5).
 """
@@ -32,7 +32,7 @@ from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
 
 from kvpool import allocation
 from kvpool.block_pool import BlockPool
-from pool_workload import KvpoolSide, PoolWorkload, VllmSide
+from tests.support.pool_workload import KvpoolSide, PoolWorkload, VllmSide
 
 # The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
 pytestmark = [pytest.mark.sanitizer, pytest.mark.debug, pytest.mark.slow]
@@ -279,17 +279,6 @@ class PolicyWorkload(PoolWorkload):
                 self.check_full()
             for seen in self.reused:
                 seen.clear()
-
-
-@pytest.fixture
-def quiet_pool_logs():
-    import logging
-
-    lg = logging.getLogger("vllm.v1.core.block_pool")
-    level = lg.level
-    lg.setLevel(logging.ERROR)
-    yield
-    lg.setLevel(level)
 
 
 @pytest.mark.parametrize("num_blocks", [96, 1024])

@@ -27,7 +27,7 @@ from kvpool.conformance.report import RunResult
 from kvpool.conformance.suites import Exclusion
 from kvpool.hf_offline import CONFIG_ROOT, materialize_hf_cache, offline_env, shipped_models
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
 
 
 def run(mode: str, outcomes: dict[str, str], **kw) -> RunResult:

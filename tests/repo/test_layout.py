@@ -4,16 +4,16 @@ included by _core.pyx and documented, and nothing documented or included is miss
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SRC = ROOT / "src" / "kvpool"
+from tests.support.paths import REPO
+
+SRC = REPO / "src" / "kvpool"
 
 
 def test_every_pxi_is_included_once_and_in_the_design_file_map():
     on_disk = sorted(p.name for p in SRC.glob("*.pxi"))
     included = re.findall(r'^include "([^"]+)"', (SRC / "_core.pyx").read_text(), flags=re.M)
-    design = (ROOT / "docs" / "design.md").read_text()
+    design = (REPO / "docs" / "design.md").read_text()
     mapped = re.findall(r"^\| `([\w.]+\.pxi)` \|", design, flags=re.M)
     assert on_disk, "no .pxi files found"
     assert sorted(included) == on_disk and len(set(included)) == len(included)
@@ -29,10 +29,9 @@ def test_no_comprehension_in_the_extension():
     # builds its lists by hand instead; this keeps it so.
     import re
 
-    src = Path(__file__).parent.parent / "src" / "kvpool"
     pattern = re.compile(r"[\[{][^\[\]{}#\n]*\bfor\b[^\[\]{}#\n]*\bin\b[^\[\]{}#\n]*[\]}]")
     found = []
-    for path in sorted(src.glob("*.p[yx][xi]")):
+    for path in sorted(SRC.glob("*.p[yx][xi]")):
         for lineno, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
             if '"""' in line or code.strip().startswith(("'", '"')):
@@ -51,11 +50,11 @@ MAX_FUNCTION_LINES = 80
 def test_python_modules_and_functions_stay_small():
     import ast
 
-    package = ROOT / "python" / "kvpool"
+    package = REPO / "python" / "kvpool"
     too_long = []
     for path in sorted(package.rglob("*.py")):
         source = path.read_text()
-        name = path.relative_to(ROOT)
+        name = path.relative_to(REPO)
         if len(source.splitlines()) > MAX_MODULE_LINES:
             too_long.append(f"{name}: {len(source.splitlines())} lines")
         for node in ast.walk(ast.parse(source, str(path))):

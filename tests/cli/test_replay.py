@@ -21,7 +21,8 @@ import kvpool
 from kvpool.replay import metrics, traces, workloads
 from kvpool.replay.modes import MODES, kvpool_unavailable_reason, mode_unavailable_reason
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
+
 ROUND_KEYS = {
     "round",
     "contiguity",

@@ -17,7 +17,7 @@ import pytest
 from kvpool.replay import cli as replay_cli
 from kvpool.replay import report
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
 
 
 # -- flags and paths checked before any work ------------------------------------------------

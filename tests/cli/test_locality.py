@@ -12,14 +12,14 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from kvpool.locality import layouts, replay_tables
 from kvpool.replay import metrics
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
+
 TINY = ["--num-blocks", "512", "--num-kv-heads", "2", "--num-heads", "4", "--head-size", "64",
         "--prefill", "128x2", "--decode", "96x20", "--warmup", "1", "--reps", "2", "--quiet"]
 

@@ -9,15 +9,15 @@ import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 import kvpool
 from kvpool import envs, patching
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "python" / "kvpool"
+from tests.support.paths import REPO
+
+PACKAGE = REPO / "python" / "kvpool"
 SWITCHES = [name for name, v in envs.VARIABLES.items() if v.kind == "switch"]
 
 
@@ -111,7 +111,7 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
     full.update(env)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=full, timeout=300, cwd=ROOT)
+                          env=full, timeout=300, cwd=REPO)
 
 
 _LOAD_PLUGINS = """
@@ -185,19 +185,19 @@ def test_no_module_but_envs_names_a_kvpool_variable_in_code():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) \
                     and re.fullmatch(r"KVPOOL_[A-Z0-9_]+", node.value):
-                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value}")
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno} {node.value}")
     assert not offenders
 
 
 def test_envs_names_every_kvpool_variable_of_the_project():
     known = set(envs.VARIABLES) | set(envs.SCRIPT_VARIABLES)
     found: dict[str, str] = {}
-    files = [*PACKAGE.rglob("*.py"), *(ROOT / "scripts").glob("*.sh"), *(ROOT / "tests").rglob("*.py"),
-             *(ROOT / "docs").glob("*.md"), ROOT / "README.md", *(ROOT / ".ci").rglob("*")]
+    files = [*PACKAGE.rglob("*.py"), *(REPO / "scripts").glob("*.sh"), *(REPO / "tests").rglob("*.py"),
+             *(REPO / "docs").glob("*.md"), REPO / "README.md", *(REPO / ".ci").rglob("*")]
     for path in files:
         if not path.is_file():
             continue
         for name in re.findall(r"\bKVPOOL_[A-Z0-9_]*[A-Z0-9]\b", path.read_text(errors="replace")):
-            found.setdefault(name, str(path.relative_to(ROOT)))
+            found.setdefault(name, str(path.relative_to(REPO)))
     unknown = {n: where for n, where in found.items() if n not in known}
     assert not unknown

@@ -22,9 +22,9 @@ import pytest
 pytestmark = [pytest.mark.sanitizer, pytest.mark.debug, pytest.mark.slow]
 
 HERE = Path(__file__).parent
-SHIM = HERE / "native" / "failmalloc.cpp"
-DEFERRED = HERE / "native" / "deferred_fault.py"
-SWEEP = HERE / "native" / "fault_sweep.py"
+SHIM = HERE / "failmalloc.cpp"
+DEFERRED = HERE / "deferred_fault.py"
+SWEEP = HERE / "fault_sweep.py"
 #: Operations that allocate nothing at all (their sweep ends at k=0): the free and
 #: touch loops work in place.
 ALLOCATION_FREE = {"free_blocks", "free_blocks_pool", "free_blocks_contiguous", "touch", "touch_contiguous"}
