@@ -12,7 +12,8 @@ prints per mode the share of those samples
 * under ``vllm/v1/core/kv_cache_manager.py`` (``KVCacheManager.*``: the coordinator,
   the single-type managers and the pool below it);
 * whose leaf frame is kvpool's Python (Cython's frames are attributed to their Python
-  caller, so the native pool calls count here);
+  caller, so the native pool calls count here; the replay's own probes, which run in
+  every mode, do not);
 * of the ``--top`` leaf functions.
 
 Shares, not times, are compared (the machine may be shared). docs/performance.md,
@@ -58,13 +59,16 @@ def step_shares(raw_lines, top: int = 12) -> dict:
             continue
         frames = [parse_frame(f) for f in stack.split(";")]
         n = int(count)
-        if not any(func in STEP_FUNCS and file.endswith("sched/scheduler.py") for func, file in frames):
+        # py-spy names methods by their qualified name (Scheduler.schedule).
+        if not any(func.rpartition(".")[2] in STEP_FUNCS and file.endswith("sched/scheduler.py")
+                   for func, file in frames):
             continue
         step += n
         if any(file.endswith("v1/core/kv_cache_manager.py") for _, file in frames):
             manager += n
         func, file = frames[-1]
-        if "kvpool" in Path(file).parts:
+        parts = Path(file).parts
+        if "kvpool" in parts and "replay" not in parts:  # (the replay's probes run in every mode)
             kvpool += n
         leaves[f"{func} ({Path(file).name})"] += n
     share = (lambda k: k / step) if step else (lambda k: 0.0)
