@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -19,6 +20,9 @@ def test_cpp_core_unit_tests(tmp_path):
          "-I", str(REPO / "cpp"), *map(str, sources), "-o", str(exe)],
         check=True, capture_output=True, text=True,
     )
-    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    # Without a preload an earlier in-process replay may have left in os.environ (vLLM's
+    # CPU platform adds its libraries to LD_PRELOAD): ASan must come first.
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "all checks passed" in proc.stdout
