@@ -230,7 +230,7 @@ class BlockPool(VllmBlockPool):
         callbacks must see every block (:meth:`_needs_vllm_loop`), on the queue's
         order. ``hint``/``owner``/``want``: the contiguous order's plan (the block id
         to continue at, the table's extent owner, the extent's blocks;
-        ``FreeKVCacheBlockQueue.set_allocation_plan``)."""
+        ``free_block_queue.policy.set_plan``)."""
         if self._needs_vllm_loop():
             if not owner:
                 return VllmBlockPool.get_new_blocks(self, num_blocks)

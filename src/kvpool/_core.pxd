@@ -42,7 +42,7 @@ cdef class FreeKVCacheBlockQueue:
     cdef bint _lazy            # block objects are created on first use
     cdef object _lazy_pool
     cdef bint _tail_cut
-    # The contiguous order's plan for the next popleft_n (set_allocation_plan).
+    # The contiguous order's plan for the next popleft_n (policy.set_plan).
     cdef int32_t _plan_hint
     cdef int32_t _plan_owner
     cdef int32_t _plan_want

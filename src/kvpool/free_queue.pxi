@@ -276,7 +276,7 @@ cdef class FreeKVCacheBlockQueue:
         slots.resize(n)
         refs.resize(n)
         if self._list.order() == ORDER_CONTIGUOUS:
-            # The policy's choice (for the table set_allocation_plan named, if any).
+            # The policy's choice (for the table policy.set_plan named, if any).
             hint, owner, want = self._plan_hint, self._plan_owner, self._plan_want
             self._plan_hint, self._plan_owner, self._plan_want = -1, 0, 0
             extents_before = self._list.num_extents(owner) if owner > 0 else 0
