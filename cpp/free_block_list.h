@@ -171,9 +171,10 @@ class FreeBlockList {
   // reserved by another owner), then a run of max(want, rest) unreserved uncached
   // slots (reserved for `owner`, first fit; if none, a run of `rest`), then the
   // lowest unreserved uncached slots, then uncached slots reserved by others, then the
-  // LRU segment's front, as vLLM would. owner 0: no table, no reservation. Throws
-  // InvalidBlockState if n > size.
-  void take(int32_t n, int32_t hint, int32_t owner, int32_t want, int32_t* out);
+  // LRU segment's front, as vLLM would. owner 0: no table, no reservation. Returns
+  // how many of the slots came from the uncached segment (out[0..k)); the rest are
+  // the LRU front's, in its order. Throws InvalidBlockState if n > size.
+  int32_t take(int32_t n, int32_t hint, int32_t owner, int32_t want, int32_t* out);
   // Undo a take()/popleft_n: link slots back where they were taken from, uncached ones
   // at their sorted place and LRU ones, in the given order, at the LRU segment's
   // front. In the other orders this is prepend_n_unchecked without touching segments.
@@ -685,7 +686,7 @@ inline void FreeBlockList::reinsert_front(const int32_t* slots, int32_t n) {
   }
 }
 
-inline void FreeBlockList::take(int32_t n, int32_t hint, int32_t owner, int32_t want, int32_t* out) {
+inline int32_t FreeBlockList::take(int32_t n, int32_t hint, int32_t owner, int32_t want, int32_t* out) {
   if (order_ != kContiguous) throw InvalidBlockState("take() needs the contiguous order");
   if (n < 0) throw InvalidBlockState("cannot take a negative number of blocks");
   if (n > size_) {
@@ -743,8 +744,10 @@ inline void FreeBlockList::take(int32_t n, int32_t hint, int32_t owner, int32_t 
     }
   }
   // 5. The LRU segment, from its front (now the list's front), as vLLM.
+  const int32_t uncached = k;
   while (k < n) out[k++] = popleft();
   if (owner > 0) extents_.close_if_empty(owner);
+  return uncached;
 }
 
 inline std::vector<int32_t> FreeBlockList::uncached_canonical_order(const std::vector<uint8_t>& lru,

@@ -1,5 +1,5 @@
 // Unit tests of the C++ core without Python: the free list, the contiguous policy's
-// extent reservations and the fenced queue.
+// extent reservations and table placement, and the fenced queue.
 // Build and run: g++ -std=c++17 -O1 -I cpp cpp/tests/test_core.cpp cpp/*.cpp && ./a.out
 // (tests/native/test_cpp_core.py does this; CMake: -DKVPOOL_BUILD_TESTS=ON, ctest).
 #include <algorithm>
@@ -14,6 +14,7 @@
 #include "extent_reservations.h"
 #include "fenced_free_queue.h"
 #include "free_block_list.h"
+#include "table_placement.h"
 
 using kvpool::ExtentReservations;
 using kvpool::FencedFreeQueue;
@@ -516,6 +517,49 @@ static void test_walk_and_detach_front() {
   CHECK(a.size() == 4);
 }
 
+// place_ascending: ids sorted with their objects, rotated to start at `cont` only
+// when it is one of them; take() says how many slots were uncached.
+static void test_place_ascending_and_take_counts() {
+  std::vector<std::pair<int32_t, int>> scratch;
+  scratch.reserve(8);
+  int32_t ids[6] = {13, 12, 11, 10, 31, 30};
+  int objs[6] = {113, 112, 111, 110, 131, 130};
+  kvpool::place_ascending(ids, objs, 6, 30, scratch);
+  const int32_t want_ids[6] = {30, 31, 10, 11, 12, 13};
+  for (int i = 0; i < 6; ++i) CHECK(ids[i] == want_ids[i] && objs[i] == want_ids[i] + 100);
+  kvpool::place_ascending(ids, objs, 6, 14, scratch);  // 14 is not among them: plain sort
+  const int32_t sorted_ids[6] = {10, 11, 12, 13, 30, 31};
+  for (int i = 0; i < 6; ++i) CHECK(ids[i] == sorted_ids[i] && objs[i] == sorted_ids[i] + 100);
+  CHECK(scratch.capacity() == 8);  // nothing allocated
+  std::mt19937 rng(7);
+  for (int round = 0; round < 200; ++round) {
+    std::vector<int32_t> v(1 + rng() % 8);
+    for (auto& x : v) x = static_cast<int32_t>(rng() % 1000);
+    std::sort(v.begin(), v.end());
+    v.erase(std::unique(v.begin(), v.end()), v.end());
+    std::vector<int32_t> shuffled = v;
+    std::shuffle(shuffled.begin(), shuffled.end(), rng);
+    std::vector<int> o(shuffled.begin(), shuffled.end());
+    int32_t cont = v[rng() % v.size()];
+    kvpool::place_ascending(shuffled.data(), o.data(), static_cast<int32_t>(v.size()), cont, scratch);
+    CHECK(shuffled[0] == cont);
+    for (size_t i = 0; i < v.size(); ++i) CHECK(o[i] == shuffled[i]);
+    std::rotate(v.begin(), std::find(v.begin(), v.end(), cont), v.end());
+    CHECK(shuffled == v);
+  }
+  // take(): 4 uncached slots left, then the LRU front.
+  FreeBlockList l(16, true);
+  l.set_order(FreeBlockList::kContiguous);
+  int32_t out[16];
+  l.popleft_n(16, out);
+  l.prepend_n(out, 4);       // 0..3 uncached
+  l.append_n(out + 10, 3);   // 10..12 at the LRU tail
+  int32_t got[6];
+  CHECK(l.take(6, -1, 0, 0, got) == 4);
+  CHECK(got[4] == 10 && got[5] == 11);
+  CHECK(l.take(1, -1, 0, 0, got) == 0 && got[0] == 12);
+}
+
 int main() {
   test_walk_and_detach_front();
   test_initial_order_and_pops();
@@ -529,6 +573,7 @@ int main() {
   test_extent_reservations();
   test_slot_bitmap_ranges();
   test_strong_guarantee_on_bad_alloc();
+  test_place_ascending_and_take_counts();
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;

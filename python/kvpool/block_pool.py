@@ -201,7 +201,9 @@ class BlockPool(VllmBlockPool):
         with ``ref_cnt = 1``. Mirrors ``BlockPool.get_new_blocks``.
 
         Returns:
-            ``list[KVCacheBlock]`` of length ``num_blocks``, in free-queue order.
+            ``list[KVCacheBlock]`` of length ``num_blocks``, in free-queue order (with
+            ``allocation="contiguous"``: the blocks taken from the LRU segment, evicted
+            in free-queue order, are returned ascending by id; docs/design.md).
         Raises:
             ValueError: more blocks than are free ("Cannot get N free blocks from the
                 pool") or ``num_blocks < 0``.
@@ -212,7 +214,7 @@ class BlockPool(VllmBlockPool):
         if context is not None:
             return self._policy.extend_table(self, num_blocks, *context)
         if self._needs_vllm_loop():
-            blocks = VllmBlockPool.get_new_blocks(self, num_blocks)
+            blocks = self._take(num_blocks)
         else:
             # The native loop (alloc.pxi), straight from vLLM's manager.
             blocks = pool_get_new_blocks(
@@ -232,14 +234,17 @@ class BlockPool(VllmBlockPool):
         to continue at, the table's extent owner, the extent's blocks;
         ``free_block_queue.policy.set_plan``)."""
         if self._needs_vllm_loop():
-            if not owner:
-                return VllmBlockPool.get_new_blocks(self, num_blocks)
             handle = self._policy.queue_policy(self)  # (allocates nothing once made)
-            handle.set_plan(hint, owner, want)
+            if owner:
+                handle.set_plan(hint, owner, want)
             try:
-                return VllmBlockPool.get_new_blocks(self, num_blocks)
+                blocks = VllmBlockPool.get_new_blocks(self, num_blocks)
             finally:
-                handle.set_plan(-1, 0, 0)
+                if owner:
+                    handle.set_plan(-1, 0, 0)
+            # The table order the native loop gives (contiguous order; never raises).
+            handle.place_taken(blocks, hint)
+            return blocks
         return pool_get_new_blocks(
             self.free_block_queue,
             num_blocks,

@@ -46,6 +46,8 @@ cdef class FreeKVCacheBlockQueue:
     cdef int32_t _plan_hint
     cdef int32_t _plan_owner
     cdef int32_t _plan_want
+    # How many blocks the last contiguous take() found uncached (the rest: the LRU's).
+    cdef int32_t _last_take_uncached
     cdef vector[int32_t] _scratch
     cdef vector[PyObject*] _ptr_scratch
     cdef vector[Py_ssize_t] _idx_scratch  # the ref_cnt undo journal's loop indices

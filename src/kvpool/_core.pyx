@@ -25,10 +25,12 @@ from cpython.object cimport Py_TYPE
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 import sys
 from libcpp.vector cimport vector
+from libcpp.utility cimport pair
 from cython.operator cimport dereference as deref
 
 from kvpool.kvpool_cpp cimport (
-    FreeBlockList, FencedFreeQueue, Order, ORDER_VLLM, ORDER_SEGMENTS, ORDER_CONTIGUOUS)
+    FreeBlockList, FencedFreeQueue, Order, ORDER_VLLM, ORDER_SEGMENTS, ORDER_CONTIGUOUS,
+    place_ascending, ObjPtr)
 
 
 cdef extern from "Python.h":

@@ -11,8 +11,10 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
 
     Pops ``num_blocks`` from the front of the free queue (with the contiguous
     allocation policy: the blocks ``FreeBlockList::take`` chooses for the table of
-    ``owner`` that continues at block ``hint``, expecting ``want`` more blocks;
-    docs/design.md, "Allocation policies"). For a block that still has
+    ``owner`` that continues at block ``hint``, expecting ``want`` more blocks,
+    those it takes from the LRU front evicted in vLLM's order and returned in
+    ascending id order, from ``hint`` on if it is one of them; docs/design.md,
+    "Allocation policies"). For a block that still has
     a prefix-cache hash (or extra hashes in ``cached_block_hashes_by_block``) calls
     ``evict_cached_block(block)``; checks ``ref_cnt == 0`` (after the callback, as
     vLLM's ``assert`` does) and sets it to 1. One pass over the blocks.
@@ -44,6 +46,8 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     cdef long refs
     cdef uint64_t insertions
     cdef int32_t extents_before = 0
+    cdef int32_t uncached = n, cont = -1
+    cdef vector[pair[int32_t, ObjPtr]] placement  # the table order's scratch
     if n < 0:
         raise ValueError(f"cannot get a negative number of blocks ({n})")
     if n > queue._list.size() + queue._count_offset:
@@ -66,8 +70,9 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     if queue._list.order() == ORDER_CONTIGUOUS:
         # The policy chooses the blocks and unlinks them at once; then the same
         # common case as below, over the chosen blocks.
+        placement.reserve(n)
         extents_before = queue._list.num_extents(owner) if owner > 0 else 0
-        queue._list.take(<int32_t>n, hint, owner, want, popped.data())
+        uncached = queue._list.take(<int32_t>n, hint, owner, want, popped.data())
         while i < n:
             o = table[popped[i]]
             if (o == none or (<KVCacheBlock>o)._ref_cnt_o != zero or (enable_caching and (
@@ -179,6 +184,14 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
                 except MemoryError:
                     pass  # the note is a courtesy; the original error is what counts
         raise
+    if uncached < n:
+        # The blocks evicted from the LRU front (in vLLM's order, above) go into the
+        # table ascending, continuing the table's last run when they can (the
+        # contiguous policy; cpp/table_placement.h). Which blocks, and the order of
+        # their evictions, stay vLLM's.
+        cont = popped[uncached - 1] + 1 if uncached > 0 else hint
+        place_ascending(popped.data() + uncached, <ObjPtr*>taken.data() + uncached,
+                        <int32_t>(n - uncached), cont, placement)
     for j in range(n):
         kvpool_list_items(<PyObject*>ret)[j] = taken[j]  # the list takes the reference
     _fold_0_to_1(&rb, n01)

@@ -225,25 +225,26 @@ cdef int _free_one(PyObject* o, PyObject* pool, FreeKVCacheBlockQueue queue,
     return A_LAST
 
 
-cdef inline void _tally(FreeKVCacheBlockQueue queue, PyObject* o, int32_t slot,
+cdef inline void _tally(bint by_slot, PyObject* o, int32_t slot,
                         int64_t* prev, int64_t* t) noexcept:
     # One block of this pool freed from a list in eviction order (a request's block
-    # table arrives tail first): count it and its pair with the block before it.
-    # `slot` is its block_id in a pool's queue; other queues read block_id (a
-    # block_id that is not an int is not counted). Runs no Python code.
+    # table arrives tail first): count it, and whether it and the block before it in
+    # the list are table-ascending (t[2]) or table-descending (t[3]) neighbours; the
+    # pairs are counted per list (t[1], at the end). `by_slot`: `slot` is the block_id
+    # (a pool's queue); other queues read block_id (one that is not an int is not
+    # counted). Branch-free on the pool's path; runs no Python code.
     cdef long cur = slot
     cdef PyObject* p
-    if not queue._lazy:
+    cdef unsigned long d
+    cdef int64_t has_prev = t[0] != 0
+    if not by_slot:
         p = (<KVCacheBlock>o)._block_id_o
         if p is NULL or not kvpool_is_int(p) or not kvpool_long_read(p, &cur):
             return
+    d = <unsigned long>cur - <unsigned long>prev[0]  # (wraps, never overflows)
     t[0] += 1
-    if prev[0] >= 0:
-        t[1] += 1
-        if cur == prev[0] - 1:
-            t[2] += 1  # ascending in the table
-        elif cur == prev[0] + 1:
-            t[3] += 1
+    t[2] += has_prev & (d == <unsigned long>-1)  # ascending in the table
+    t[3] += has_prev & (d == 1)
     prev[0] = cur
 
 
@@ -290,7 +291,8 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
     cdef kvpool_refjournal jn
     cdef object culprit
     cdef int64_t tally[4]
-    cdef int64_t tally_prev = -1
+    cdef int64_t tally_prev = 0
+    cdef bint by_slot = queue._lazy  # a pool's queue: slot == block_id
     tally[0] = tally[1] = tally[2] = tally[3] = 0
     # Scratch space of the queue (no allocation per call once it has grown). Only the
     # loop and its links use it, before any Python code (which could call into this
@@ -343,7 +345,7 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
         if fast_slot >= 0:
             (<KVCacheBlock>o)._ref_cnt_o = zero  # counted in n10
             n10 += 1
-            _tally(queue, o, fast_slot, &tally_prev, tally)
+            _tally(by_slot, o, fast_slot, &tally_prev, tally)
             if not enable_caching or <PyObject*>(<KVCacheBlock>o)._block_hash == none:
                 first[nfirst] = fast_slot
                 nfirst += 1
@@ -362,13 +364,13 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
         elif action == A_FIRST:
             first[nfirst] = (<KVCacheBlock>o)._slot
             nfirst += 1
-            _tally(queue, o, (<KVCacheBlock>o)._slot, &tally_prev, tally)
+            _tally(by_slot, o, (<KVCacheBlock>o)._slot, &tally_prev, tally)
         elif action == A_LAST:
             last[nlast] = (<KVCacheBlock>o)._slot
             nlast += 1
-            _tally(queue, o, (<KVCacheBlock>o)._slot, &tally_prev, tally)
+            _tally(by_slot, o, (<KVCacheBlock>o)._slot, &tally_prev, tally)
         elif action == A_HELD and <PyObject*>(<KVCacheBlock>o)._queue == queue_o:
-            _tally(queue, o, (<KVCacheBlock>o)._slot, &tally_prev, tally)
+            _tally(by_slot, o, (<KVCacheBlock>o)._slot, &tally_prev, tally)
         k += 1
     _fold_0_to_1(&rb, -n10)
     if err == E_NONE and nforeign:
@@ -429,6 +431,7 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
         queue._list.append_n_unchecked(last, <int32_t>nlast)
     for j in range(nforeign):
         Py_INCREF_ptr(deref(foreign_out)[j])
+    tally[1] = tally[0] - 1 if tally[0] > 0 else 0  # one list: n blocks, n - 1 pairs
     for j in range(4):
         queue._table_stats[j] += tally[j]
     _journal_release(&jn)  # (exact ints run no Python code; others are parked)

@@ -76,6 +76,7 @@ cdef class FreeKVCacheBlockQueue:
         self._list.reset(0, True)
         self._blocks = _untracked([])
         self._plan_hint = -1
+        self._last_take_uncached = -1
         self.fake_free_list_head = _new_block(-1, None)
         self.fake_free_list_head._queue = self
         self.fake_free_list_head._slot = HEAD_SLOT
@@ -280,7 +281,7 @@ cdef class FreeKVCacheBlockQueue:
             hint, owner, want = self._plan_hint, self._plan_owner, self._plan_want
             self._plan_hint, self._plan_owner, self._plan_want = -1, 0, 0
             extents_before = self._list.num_extents(owner) if owner > 0 else 0
-            self._list.take(n, hint, owner, want, slots.data())
+            self._last_take_uncached = self._list.take(n, hint, owner, want, slots.data())
         else:
             self._list.popleft_n(n, slots.data())
         try:

@@ -4,6 +4,7 @@
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libcpp cimport bool as cbool
 from libcpp.vector cimport vector
+from libcpp.utility cimport pair
 
 
 cdef extern from "free_block_list.h" namespace "kvpool" nogil:
@@ -46,7 +47,7 @@ cdef extern from "free_block_list.h" namespace "kvpool" nogil:
         Order order()
         void set_order(Order order) except +
         const SlotBitmap& uncached()
-        void take(int32_t n, int32_t hint, int32_t owner, int32_t want, int32_t* out) except +
+        int32_t take(int32_t n, int32_t hint, int32_t owner, int32_t want, int32_t* out) except +
         void reinsert_front(const int32_t* slots, int32_t n) except +
         int32_t lru_front()
         void make_uncached(int32_t slot) except +
@@ -87,3 +88,12 @@ cdef extern from "fenced_free_queue.h" namespace "kvpool" nogil:
         const Entry& entry(size_t i) except +
         const int64_t* handles()
         void clear()
+
+
+ctypedef void* ObjPtr
+
+cdef extern from "table_placement.h" namespace "kvpool" nogil:
+    # Sort ids[0..n) (and objs alike) ascending, starting at `cont` when present;
+    # `scratch` must have capacity >= n (nothing is allocated; cannot fail).
+    void place_ascending "kvpool::place_ascending<void*>"(
+        int32_t* ids, ObjPtr* objs, int32_t n, int32_t cont, vector[pair[int32_t, ObjPtr]]& scratch)

@@ -108,6 +108,40 @@ cdef class FreeQueuePolicy:
         collector); one call only. ``set_plan(-1, 0, 0)`` withdraws it."""
         self._queue._plan_hint, self._queue._plan_owner, self._queue._plan_want = hint, owner, want
 
+    def place_taken(self, list blocks not None, int32_t hint=-1):
+        """Contiguous order: put the blocks of the queue's last ``popleft_n`` (``blocks``,
+        the list it returned, after vLLM's own allocation loop evicted them in that
+        order) in the table order the native ``get_new_blocks`` gives: those taken
+        from the LRU front ascending by id, from the one that continues the table
+        (the block after the uncached ones taken, else ``hint``) if it is among them
+        (``cpp/table_placement.h``). In place; once per ``popleft_n``. Does nothing
+        when ``blocks`` is not that call's list of this queue's blocks, or without
+        memory for its scratch space: the allocation has happened, and where its
+        blocks sit in the table is a preference. Never raises.
+        """
+        cdef FreeKVCacheBlockQueue queue = self._queue
+        cdef Py_ssize_t n = PyList_GET_SIZE(blocks), k = queue._last_take_uncached, i
+        cdef PyObject** items = kvpool_list_items(<PyObject*>blocks)
+        cdef PyObject* o
+        cdef vector[int32_t] slots
+        cdef vector[pair[int32_t, ObjPtr]] scratch
+        queue._last_take_uncached = -1
+        if k < 0 or k >= n:
+            return
+        try:
+            slots.reserve(n)
+            scratch.reserve(n)
+        except MemoryError:
+            return
+        for i in range(n):
+            o = items[i]
+            if (not isinstance(<object>o, KVCacheBlock) or (<KVCacheBlock>o)._queue is not queue
+                    or (<KVCacheBlock>o)._slot < 0):
+                return
+            slots.push_back((<KVCacheBlock>o)._slot)
+        place_ascending(slots.data() + k, <ObjPtr*>items + k, <int32_t>(n - k),
+                        slots[k - 1] + 1 if k > 0 else hint, scratch)
+
     def release_extent(self, int32_t owner):
         """Forget the block ranges reserved for ``owner`` (contiguous order)."""
         self._queue._list.release(owner)

@@ -280,6 +280,25 @@ def test_serving_windows_report_descriptors_and_copies_recomputable_from_the_tab
         assert rep["comparison"]["kvpool"]["prompt_descriptors_ratio_vs_vanilla"] == 1.0
 
 
+def test_contiguous_policy_places_evicted_blocks_ascending_with_vanillas_evictions(serving_report):
+    """The tiny serving run evicts in both windows: vLLM's tables are then descending runs
+    (a descriptor per block), the contiguous policy's ascending ones, with the same hits,
+    evicted hashes (in the same order) and preemptions."""
+    rep = serving_report
+    if "kvpool+contiguous" not in rep["modes"]:
+        pytest.skip("kvpool+contiguous is not available here")
+    van = rep["modes"]["vanilla"]["rounds"]
+    con = rep["modes"]["kvpool+contiguous"]["rounds"]
+    assert all(r["evictions"] > 0 for r in van)
+    assert rep["comparison"]["kvpool+contiguous"]["rounds_cache_equal_to_vanilla"] == len(van)
+    for a, b in zip(con, van):
+        assert (a["evictions"], a["eviction_digest"], a["prefix_cache_hit_tokens"], a["preemptions"]) == (
+            b["evictions"], b["eviction_digest"], b["prefix_cache_hit_tokens"], b["preemptions"])
+        # vLLM's order measured 3,289 and 3,450; kvpool+contiguous 644 and 1,288.
+        assert a["prompt_descriptors_total"] <= 0.5 * b["prompt_descriptors_total"], (a, b)
+        assert a["prompt_descending"] <= 0.05, a["prompt_descending"]
+
+
 def test_existing_comparison_keys_keep_their_order_before_the_transfer_keys(serving_report):
     comp = serving_report["comparison"]["vanilla"]
     keys = list(comp)

@@ -90,9 +90,11 @@ class ContiguousSide(KvpoolSide):
 
     def alloc(self, n: int, table_key) -> list:
         pool = self.pool
+        self.table_last = None  # the block the allocation continues (for the checks)
         if table_key is None:
             return pool.get_new_blocks(n)
         table = self.manager.req_to_blocks.setdefault(table_key, [])
+        self.table_last = table[-1].block_id if table else None
         pool._policy.expected_tokens.setdefault(table_key, 16 * (len(table) + n + 8))
         pool._table_context = (self.manager, table_key)
         try:
@@ -131,6 +133,7 @@ class PolicyWorkload(PoolWorkload):
         self.table_keys: dict[int, list] = {}  # id(request groups) -> table key per group
         self.next_key = 0
         self.lru_hits = 0
+        self.lru_rotations = 0  # LRU blocks placed to continue a table's last block
         self.lru_taken: set[int] = set()  # vLLM ids taken from the LRU segment this op
 
     # -- id mapping ----------------------------------------------------------------------
@@ -145,17 +148,30 @@ class PolicyWorkload(PoolWorkload):
         return super()._ids_of(side, blocks)
 
     def _pair(self, vllm_blocks, our_blocks, uncached_before: int) -> list[int]:
-        """Map the blocks both pools handed out; those beyond the uncached ones came from
-        the LRU segment and must be the same (mapped) blocks on both sides."""
+        """Map the blocks both pools handed out, position by position (a table position
+        is what gets a hash). Those beyond the uncached ones came from the LRU segment:
+        the same (mapped) blocks on both sides, evicted in vLLM's order (the events say
+        so), which kvpool places in the table ascending by id, starting at the block
+        that continues the uncached ones when it is among them."""
         assert len(vllm_blocks) == len(our_blocks)
         ours = self.ours
-        for i, (v, k) in enumerate(zip(vllm_blocks, our_blocks)):
-            if i >= uncached_before:
-                self.lru_hits += 1
-                self.lru_taken.add(v.block_id)
-                assert ours.to_kvpool.get(v.block_id) == k.block_id, (
-                    f"op {self.ops_done}: LRU block {v.block_id} of vLLM is kvpool's "
-                    f"{ours.to_kvpool.get(v.block_id)}, but kvpool took {k.block_id}")
+        lru_v = [v.block_id for v in vllm_blocks[uncached_before:]]
+        lru_k = [k.block_id for k in our_blocks[uncached_before:]]
+        if lru_v:
+            self.lru_hits += len(lru_v)
+            self.lru_taken.update(lru_v)
+            assert sorted(ours.to_kvpool.get(i) for i in lru_v) == sorted(lru_k), (
+                f"op {self.ops_done}: vLLM took LRU blocks {lru_v} (kvpool's "
+                f"{[ours.to_kvpool.get(i) for i in lru_v]}), kvpool took {lru_k}")
+            start = lru_k.index(min(lru_k))
+            assert lru_k[start:] + lru_k[:start] == sorted(lru_k), f"LRU blocks not placed ascending: {lru_k}"
+            if start:  # rotated: only to continue the table's previous block
+                before = (our_blocks[uncached_before - 1].block_id if uncached_before
+                          else ours.table_last)
+                assert before is not None and lru_k[0] == before + 1, (
+                    f"LRU blocks {lru_k} rotated without continuing block {before}")
+                self.lru_rotations += 1
+        for v, k in zip(vllm_blocks, our_blocks):
             stale = ours.to_vllm.pop(k.block_id, None)
             if stale is not None and ours.to_kvpool.get(stale) == k.block_id:
                 del ours.to_kvpool[stale]
@@ -169,7 +185,11 @@ class PolicyWorkload(PoolWorkload):
     def _alloc_ids(self, size: int, table_key) -> list[int]:
         uncached = self.ours.pool.free_block_queue.policy.num_uncached_free
         got_v = self.vllm_side.alloc(size, table_key)
+        seen = len(self.reused[1])
         got_k = self.ours.alloc(size, table_key)
+        # The reuse callbacks this allocation made name kvpool's blocks; in vLLM's ids
+        # as mapped before the allocation (which _pair then re-maps by table position).
+        self.reused[1][seen:] = [(t, -2 - self.ours.to_vllm.get(i, -1)) for t, i in self.reused[1][seen:]]
         return self._pair(got_v, got_k, uncached)
 
     def _check_reuse_callbacks(self, name: str) -> None:
@@ -184,7 +204,8 @@ class PolicyWorkload(PoolWorkload):
                 self._agree([dict(self.vllm_side.pool._reuse_watchers), dict(self.ours.pool._reuse_watchers)],
                             "watchers after a reset")
             return
-        ours = [(t, self.ours.to_vllm.get(i, -1)) for t, i in ours_seen]
+        # (an id < -1 is a vLLM id already mapped at its allocation: -2 - id)
+        ours = [(t, -2 - i if i < -1 else self.ours.to_vllm.get(i, -1)) for t, i in ours_seen]
         self._agree([[c for c in vllm_seen if c[1] in self.lru_taken], [c for c in ours if c[1] in self.lru_taken]],
                     "reuse callbacks of LRU blocks")
 
@@ -291,7 +312,9 @@ def test_contiguous_policy_keeps_vllm_hits_evictions_and_events(num_blocks, quie
     workload.quiesce()
     elapsed = time.perf_counter() - start
     print(f"\npolicy differential: seed {SEED + num_blocks}, {num_blocks} blocks, {workload.ops_done} ops "
-          f"in {elapsed:.1f} s, {workload.lru_hits} blocks taken from the LRU segment; {workload.counts}")
+          f"in {elapsed:.1f} s, {workload.lru_hits} blocks taken from the LRU segment "
+          f"({workload.lru_rotations} placements continuing a table); {workload.counts}")
     assert workload.lru_hits > 0 or num_ops < 1000  # the LRU segment was reached
+    assert workload.lru_rotations > 0 or num_ops < 1000  # and continued a table
     assert all(workload.counts[name] > 0 for name in ("alloc", "grow", "free", "free_deferred", "touch",
                                                        "evict", "unpin", "reset")) or num_ops < 1000

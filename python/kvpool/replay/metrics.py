@@ -27,7 +27,7 @@ Definitions (used by every workload of ``python -m kvpool replay``):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 def ascending_pairs(table: Sequence[int]) -> int:
@@ -40,6 +40,16 @@ def descending_pairs(table: Sequence[int]) -> int:
     return sum(1 for a, b in zip(table, table[1:]) if b == a - 1)
 
 
+def _pair_fraction(tables: Iterable[Sequence[int]], count: Callable[[Sequence[int]], int]) -> float | None:
+    # Pairs-weighted fraction of adjacent logical blocks that `count` counts.
+    counted = pairs = 0
+    for t in tables:
+        if len(t) > 1:
+            counted += count(t)
+            pairs += len(t) - 1
+    return counted / pairs if pairs else None
+
+
 def contiguity(tables: Iterable[Sequence[int]]) -> float | None:
     """Pairs-weighted fraction of adjacent logical blocks that are consecutive and ascending.
 
@@ -50,22 +60,12 @@ def contiguity(tables: Iterable[Sequence[int]]) -> float | None:
         ``sum(ascending_pairs) / sum(len(t) - 1)`` over tables with at least two
         blocks, in [0, 1]; ``None`` when there is no adjacent pair.
     """
-    asc = pairs = 0
-    for t in tables:
-        if len(t) > 1:
-            asc += ascending_pairs(t)
-            pairs += len(t) - 1
-    return asc / pairs if pairs else None
+    return _pair_fraction(tables, ascending_pairs)
 
 
 def descending_fraction(tables: Iterable[Sequence[int]]) -> float | None:
     """Like :func:`contiguity`, for descending pairs."""
-    desc = pairs = 0
-    for t in tables:
-        if len(t) > 1:
-            desc += descending_pairs(t)
-            pairs += len(t) - 1
-    return desc / pairs if pairs else None
+    return _pair_fraction(tables, descending_pairs)
 
 
 def mean_run_length(tables: Iterable[Sequence[int]]) -> float | None:
