@@ -19,6 +19,7 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "extent_reservations.h"
@@ -174,7 +175,34 @@ class FreeBlockList {
   // LRU segment's front, as vLLM would. owner 0: no table, no reservation. Returns
   // how many of the slots came from the uncached segment (out[0..k)); the rest are
   // the LRU front's, in its order. Throws InvalidBlockState if n > size.
-  int32_t take(int32_t n, int32_t hint, int32_t owner, int32_t want, int32_t* out);
+  // `lru_window` W > 0 (opt-in, not vLLM's LRU): the m slots taken from the LRU
+  // segment may be any m of its m + W oldest, chosen to make fewer runs of
+  // consecutive slots (counting the run that continues the table: the slot after
+  // out[k-1], else `hint`): runs among those m + W are left out shortest first,
+  // never the continuation's, then the youngest chosen; used only when that is fewer
+  // runs than the m oldest make, else the m oldest (vLLM's) are taken. They are
+  // unlinked in LRU order; an undo (reinsert_front) puts them at the LRU front.
+  int32_t take(int32_t n, int32_t hint, int32_t owner, int32_t want, int32_t* out,
+               int32_t lru_window = 0);
+  // kContiguous, for the undo of a take() with an LRU window: the first `span` slots
+  // of the LRU segment, in order, into out (returns how many); and, once every slot
+  // is back, relinking those of `slots` that are free LRU slots at the LRU segment's
+  // front in that order, which makes the front what lru_front_slots() saw. Cannot throw.
+  int32_t lru_front_slots(int32_t span, int32_t* out) const noexcept {
+    int32_t k = 0;
+    for (int32_t node = next_[lru_anchor()]; node != kTail && k < span; node = next_[node]) out[k++] = node - kFirst;
+    return k;
+  }
+  void restore_lru_front(const int32_t* slots, int32_t n) noexcept {
+    int32_t last = lru_anchor();
+    for (int32_t i = 0; i < n; ++i) {
+      int32_t s = slots[i];
+      if (s < 0 || s >= capacity_ || prev_[s + kFirst] < 0 || !lru_[s]) continue;
+      unlink_one(s);
+      link_run_after(last, &s, 1);
+      last = s + kFirst;
+    }
+  }
   // Undo a take()/popleft_n: link slots back where they were taken from, uncached ones
   // at their sorted place and LRU ones, in the given order, at the LRU segment's
   // front. In the other orders this is prepend_n_unchecked without touching segments.
@@ -314,6 +342,16 @@ class FreeBlockList {
   std::vector<uint8_t> lru_;        // per slot: 1 if it was last inserted at the tail
   SlotBitmap uncached_;             // kContiguous: free slots of the uncached segment
   ExtentReservations extents_;      // kContiguous: the tables' reserved extents
+  // take()'s LRU window (see take()): `need` slots of the LRU segment's need + window
+  // oldest into out, or 0 when they would make no fewer runs than the `need` oldest.
+  // The scratch space is reserved by take(). Cannot throw.
+  int32_t take_from_lru_window(int32_t need, int32_t cont, int32_t window, int32_t* out) noexcept;
+  // take()'s scratch space for the LRU window (reserved before anything is unlinked):
+  std::vector<int32_t> window_order_;  // the window's slots in LRU order
+  std::vector<int32_t> window_;        // ... sorted
+  std::vector<uint8_t> window_keep_;   // ... chosen (by sorted index)
+  std::vector<int32_t> window_front_;  // the need oldest, sorted (vLLM's choice)
+  std::vector<std::pair<int32_t, int32_t>> window_runs_;  // the window's runs (length, first index)
 };
 
 // ---- implementation (inline: the Cython loops call these per block) ----
@@ -494,6 +532,11 @@ inline void FreeBlockList::swap(FreeBlockList& other) noexcept {
   lru_.swap(other.lru_);
   uncached_.swap(other.uncached_);
   extents_.swap(other.extents_);
+  window_order_.swap(other.window_order_);
+  window_.swap(other.window_);
+  window_keep_.swap(other.window_keep_);
+  window_front_.swap(other.window_front_);
+  window_runs_.swap(other.window_runs_);
 }
 
 inline void FreeBlockList::rebuild_canonical() {
@@ -686,12 +729,22 @@ inline void FreeBlockList::reinsert_front(const int32_t* slots, int32_t n) {
   }
 }
 
-inline int32_t FreeBlockList::take(int32_t n, int32_t hint, int32_t owner, int32_t want, int32_t* out) {
+inline int32_t FreeBlockList::take(int32_t n, int32_t hint, int32_t owner, int32_t want, int32_t* out,
+                                   int32_t lru_window) {
   if (order_ != kContiguous) throw InvalidBlockState("take() needs the contiguous order");
   if (n < 0) throw InvalidBlockState("cannot take a negative number of blocks");
   if (n > size_) {
     throw InvalidBlockState("cannot take " + std::to_string(n) + " blocks: only " +
                             std::to_string(size_) + " free");
+  }
+  lru_window = std::max(0, std::min(lru_window, size_ - n));
+  if (lru_window > 0) {  // the window's scratch space, before anything is unlinked
+    const size_t span = static_cast<size_t>(n) + static_cast<size_t>(lru_window);
+    window_order_.reserve(span);
+    window_.reserve(span);
+    window_keep_.reserve(span);
+    window_front_.reserve(static_cast<size_t>(n));
+    window_runs_.reserve(span);
   }
   // The one allocation (room for an extent record) before anything is unlinked, so a
   // bad_alloc leaves the list as it was. A new owner's empty entry is dropped below
@@ -743,11 +796,74 @@ inline int32_t FreeBlockList::take(int32_t n, int32_t hint, int32_t owner, int32
       s = uncached_.find_next(s + len);
     }
   }
-  // 5. The LRU segment, from its front (now the list's front), as vLLM.
+  // 5. The LRU segment, from its front (now the list's front), as vLLM; with an LRU
+  // window, first the table's continuation among the window's slots.
   const int32_t uncached = k;
+  if (lru_window > 0 && k < n) k += take_from_lru_window(n - k, k > 0 ? out[k - 1] + 1 : hint, lru_window, out + k);
   while (k < n) out[k++] = popleft();
   if (owner > 0) extents_.close_if_empty(owner);
   return uncached;
+}
+
+inline int32_t FreeBlockList::take_from_lru_window(int32_t need, int32_t cont, int32_t window,
+                                                   int32_t* out) noexcept {
+  // The need + window oldest LRU slots (the list's front: no uncached slot is left),
+  // in LRU order and sorted; the need oldest sorted (vLLM's choice).
+  const size_t span = static_cast<size_t>(need) + static_cast<size_t>(window);
+  window_order_.clear();
+  for (int32_t node = next_[kHead]; node != kTail && window_order_.size() < span; node = next_[node])
+    window_order_.push_back(node - kFirst);
+  window_front_.assign(window_order_.begin(), window_order_.begin() + std::min<size_t>(need, window_order_.size()));
+  window_.assign(window_order_.begin(), window_order_.end());
+  std::sort(window_front_.begin(), window_front_.end());
+  std::sort(window_.begin(), window_.end());
+  window_keep_.assign(window_.size(), 1);
+  auto index_of = [this](int32_t slot) {
+    return static_cast<size_t>(std::lower_bound(window_.begin(), window_.end(), slot) - window_.begin());
+  };
+  // Leave out the window's runs shortest first (never the one that continues the
+  // table), while whole runs fit in the slots to leave out; then the youngest.
+  window_runs_.clear();
+  for (size_t i = 0; i < window_.size();) {
+    size_t j = i + 1;
+    while (j < window_.size() && window_[j] == window_[j - 1] + 1) ++j;
+    if (window_[i] != cont) window_runs_.emplace_back(static_cast<int32_t>(j - i), static_cast<int32_t>(i));
+    i = j;
+  }
+  std::sort(window_runs_.begin(), window_runs_.end());
+  size_t extra = window_.size() - static_cast<size_t>(need);
+  for (const auto& run : window_runs_) {
+    if (static_cast<size_t>(run.first) > extra) break;
+    std::fill_n(window_keep_.begin() + run.second, run.first, 0);
+    extra -= static_cast<size_t>(run.first);
+  }
+  for (size_t i = window_order_.size(); extra > 0 && i-- > 0;) {
+    size_t at = index_of(window_order_[i]);
+    if (window_keep_[at]) {
+      window_keep_[at] = 0;
+      --extra;
+    }
+  }
+  // Descriptors of each choice: its runs, one less when one starts at cont.
+  int32_t chosen = 0, front = 0;
+  bool chosen_cont = false, front_cont = false;
+  for (size_t i = 0; i < window_.size(); ++i) {
+    if (!window_keep_[i]) continue;
+    if (i == 0 || !window_keep_[i - 1] || window_[i - 1] != window_[i] - 1) ++chosen;
+    chosen_cont = chosen_cont || window_[i] == cont;
+  }
+  for (size_t i = 0; i < window_front_.size(); ++i) {
+    if (i == 0 || window_front_[i - 1] != window_front_[i] - 1) ++front;
+    front_cont = front_cont || window_front_[i] == cont;
+  }
+  if (chosen - chosen_cont >= front - front_cont) return 0;  // no better than vLLM's
+  int32_t k = 0;
+  for (int32_t slot : window_order_) {  // unlinked in LRU order
+    if (!window_keep_[index_of(slot)]) continue;
+    unlink_one(slot);
+    out[k++] = slot;
+  }
+  return k;
 }
 
 inline std::vector<int32_t> FreeBlockList::uncached_canonical_order(const std::vector<uint8_t>& lru,

@@ -558,6 +558,25 @@ static void test_place_ascending_and_take_counts() {
   CHECK(l.take(6, -1, 0, 0, got) == 4);
   CHECK(got[4] == 10 && got[5] == 11);
   CHECK(l.take(1, -1, 0, 0, got) == 0 && got[0] == 12);
+
+  // An LRU window: the m taken may be any m of the m + W oldest, when that makes fewer
+  // runs (the table's continuation counted); otherwise vLLM's m oldest.
+  FreeBlockList w(64, true);
+  w.set_order(FreeBlockList::kContiguous);
+  int32_t all[64];
+  w.popleft_n(64, all);
+  const int32_t lru[6] = {30, 31, 5, 6, 7, 40};
+  w.append_n(lru, 6);  // the table ends at block 4: its continuation is 5
+  CHECK(w.take(2, 5, 0, 0, got, 2) == 0 && got[0] == 5 && got[1] == 6);  // {30, 31} left
+  CHECK(w.take(1, 7, 0, 0, got, 1) == 0 && got[0] == 30);  // 7 is outside {30, 31}: vLLM's
+  CHECK(w.take(1, 7, 0, 0, got, 2) == 0 && got[0] == 7);   // {31, 7, 40}: the continuation
+  CHECK(w.size() == 2 && w.front() == 31 && w.back() == 40);
+  CHECK(w.take(2, 50, 0, 0, got, 0) == 0 && got[0] == 31 && got[1] == 40);  // W = 0: vLLM's
+  const int32_t lru2[5] = {20, 21, 9, 22, 23};
+  w.append_n(lru2, 5);
+  CHECK(w.take(4, -1, 0, 0, got, 1) == 0);  // {20, 21, 22, 23}: one run instead of two
+  CHECK(got[0] == 20 && got[1] == 21 && got[2] == 22 && got[3] == 23 && w.front() == 9);
+  CHECK(w.take(1, -1, 0, 0, got, 100) == 0 && got[0] == 9 && w.size() == 0);  // W clamped
 }
 
 int main() {

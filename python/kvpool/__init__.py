@@ -38,14 +38,15 @@ _CORE_NAMES = {
 }
 
 
-def install(*, force: bool = False, allocation: str | None = None) -> bool:
+def install(*, force: bool = False, allocation: str | None = None, lru_window: int | None = None) -> bool:
     """Replace vLLM's block pool classes with kvpool's; ``allocation="contiguous"``
-    opts into the contiguity-preserving policy. See :func:`kvpool.patching.install`
-    (raises :class:`InvalidSettingError`, a ``ValueError``, for a bad ``allocation`` or
-    ``KVPOOL_*`` value; ``TypeError`` for a non-bool ``force``)."""
+    opts into the contiguity-preserving policy (``lru_window=W`` blocks: its opt-in
+    relaxation of vLLM's LRU). See :func:`kvpool.patching.install` (raises
+    :class:`InvalidSettingError`, a ``ValueError``, for a bad ``allocation``,
+    ``lru_window`` or ``KVPOOL_*`` value; ``TypeError`` for a non-bool ``force``)."""
     from kvpool import patching
 
-    return patching.install(force=force, allocation=allocation)
+    return patching.install(force=force, allocation=allocation, lru_window=lru_window)
 
 
 def uninstall() -> bool:

@@ -13,6 +13,7 @@ One parsing rule for every variable of a kind:
 * **choices** (``KVPOOL_ALLOCATION``): one of the listed names, case-insensitive;
   unset/empty means the default.
 * **seconds** (``KVPOOL_METRICS_INTERVAL_S``): a finite float >= 0.
+* **blocks** (``KVPOOL_LRU_WINDOW``): an integer >= 0; unset/empty means the default.
 * **paths and URLs** (``KVPOOL_CACHE_DIR``, ``KVPOOL_INDEX_URL``): any non-empty
   string; unset/empty means the default.
 
@@ -40,6 +41,7 @@ FALSE_VALUES: tuple[str, ...] = ("0", "false", "no", "off", "")
 
 DISABLE = "KVPOOL_DISABLE"
 ALLOCATION = "KVPOOL_ALLOCATION"
+LRU_WINDOW = "KVPOOL_LRU_WINDOW"
 REORDER_ON_RESET = "KVPOOL_REORDER_ON_RESET"
 REORDER_ON_IDLE = "KVPOOL_REORDER_ON_IDLE"
 ALLOW_UNTESTED_VLLM = "KVPOOL_ALLOW_UNTESTED_VLLM"
@@ -76,7 +78,8 @@ class Variable:
 
     Attributes:
         name: ``"KVPOOL_ALLOCATION"``.
-        kind: ``"switch"``, ``"choice"``, ``"seconds"`` or ``"text"`` (the parsing rule).
+        kind: ``"switch"``, ``"choice"``, ``"seconds"``, ``"blocks"`` or ``"text"`` (the
+            parsing rule).
         default: the value when unset or empty (already parsed).
         help: what it does, one line.
         choices: for ``"choice"``: the accepted names.
@@ -99,6 +102,8 @@ class Variable:
             return ", ".join(self.choices) + ("" if argument else " (or empty for the default)")
         if self.kind == "seconds":
             return "a number of seconds >= 0"
+        if self.kind == "blocks":
+            return "a whole number of blocks >= 0"
         return "any non-empty text (empty: the default)"
 
     def parse(self, value: Any) -> Any:
@@ -106,7 +111,7 @@ class Variable:
 
         Returns:
             ``bool`` (switch), ``str`` (choice, lower-cased; text), ``float`` (seconds),
-            or :attr:`default` for unset/empty.
+            ``int`` (blocks), or :attr:`default` for unset/empty.
 
         Raises:
             InvalidSettingError: not one of the accepted values, or not a string.
@@ -134,6 +139,9 @@ class Variable:
                 seconds = math.nan
             if math.isfinite(seconds) and seconds >= 0:
                 return seconds
+        elif self.kind == "blocks":
+            if text.isdigit() and text.isascii() and int(text) < 2**31:
+                return int(text)
         else:
             return text
         raise InvalidSettingError(self.name, value, self.accepted())
@@ -148,6 +156,10 @@ VARIABLES: dict[str, Variable] = {
         Variable(ALLOCATION, "choice", "vllm",
                  "allocation policy of kvpool's pools: vllm (vLLM's exact order) or contiguous",
                  choices=ALLOCATION_POLICIES, argument="allocation"),
+        Variable(LRU_WINDOW, "blocks", 0,
+                 "contiguous policy: an allocation that must evict may take, among the W oldest "
+                 "evictable blocks, those that continue its table (0: vLLM's exact LRU)",
+                 argument="lru_window"),
         Variable(REORDER_ON_RESET, "switch", False,
                  "every successful reset_prefix_cache() also restores the canonical free-queue order"),
         Variable(REORDER_ON_IDLE, "switch", False,
@@ -214,6 +226,10 @@ def check_argument(name: str, value: Any) -> Any:
         return None
     if var.kind == "switch" and isinstance(value, bool):
         return value
+    if var.kind == "blocks" and isinstance(value, int) and not isinstance(value, bool):
+        if 0 <= value < 2**31:
+            return value
+        raise InvalidSettingError(var.argument or name, value, var.accepted(argument=True))
     try:
         parsed = var.parse(value)
     except InvalidSettingError:

@@ -179,7 +179,7 @@ def _rebase_subclasses(state: _InstallState, replacements: dict[str, Any]) -> No
         state.rebased.append((cls, old_bases))
 
 
-def install(*, force: bool = False, allocation: str | None = None) -> bool:
+def install(*, force: bool = False, allocation: str | None = None, lru_window: int | None = None) -> bool:
     """Replace vLLM's block pool classes with kvpool's, in every vLLM module.
 
     Idempotent: a second call with the same policy does nothing and returns False.
@@ -189,16 +189,23 @@ def install(*, force: bool = False, allocation: str | None = None) -> bool:
         allocation: the allocation policy of the pools built from now on:
             ``"vllm"`` (vLLM's exact order) or ``"contiguous"`` (opt-in, see
             :mod:`kvpool.allocation`); None: ``$KVPOOL_ALLOCATION``, else ``"vllm"``.
+        lru_window: with ``allocation="contiguous"``: blocks; an allocation that must
+            evict may first take, among the ``lru_window`` oldest evictable blocks,
+            those that continue its table (opt-in: which cached blocks are evicted
+            then differs from vLLM's); None: ``$KVPOOL_LRU_WINDOW``, else 0 (vLLM's
+            exact LRU).
 
     Returns:
         True if this call installed kvpool, False if it already was.
 
     Raises:
         TypeError: ``force`` is not a bool.
-        kvpool.envs.InvalidSettingError: (a ``ValueError``) an unknown policy, or a
-            ``KVPOOL_*`` variable with a value kvpool does not accept; checked before
-            anything changes.
-        ValueError: a policy other than the installed one (call ``uninstall()`` first).
+        kvpool.envs.InvalidSettingError: (a ``ValueError``) an unknown policy, an
+            ``lru_window`` that is not a whole number >= 0 or is > 0 without the
+            contiguous policy, or a ``KVPOOL_*`` variable with a value kvpool does not
+            accept; checked before anything changes.
+        ValueError: a policy (or LRU window) other than the installed one (call
+            ``uninstall()`` first).
         UnsupportedVLLMVersionError: vLLM is missing or its version is not supported;
             or, on a forced untested version, vLLM's block classes cannot be bound
             (nothing is changed then).
@@ -210,13 +217,15 @@ def install(*, force: bool = False, allocation: str | None = None) -> bool:
     if not isinstance(force, bool):
         raise TypeError(f"install(force=...) takes True or False, got {force!r}")
     policy = _allocation.resolve(allocation)
+    window = _allocation.resolve_lru_window(lru_window, policy)
     envs.validate()
     with _lock:
         if _state is not None:
-            if policy != _allocation.current():
+            if (policy, window) != (_allocation.current(), _allocation.current_lru_window()):
                 raise ValueError(
-                    f"kvpool is installed with allocation={_allocation.current()!r}; "
-                    f"uninstall() before installing allocation={policy!r}")
+                    f"kvpool is installed with allocation={_allocation.current()!r}, "
+                    f"lru_window={_allocation.current_lru_window()}; uninstall() before "
+                    f"installing allocation={policy!r}, lru_window={window}")
             return False
         version = check_vllm_version(force=force)
         untested = not is_supported(version)
@@ -229,7 +238,8 @@ def install(*, force: bool = False, allocation: str | None = None) -> bool:
             raise UnsupportedVLLMVersionError(
                 f"kvpool cannot bind its block classes into untested vLLM {version} ({e}); "
                 "nothing was changed") from e
-        state.arguments = {envs.ALLOCATION: allocation, envs.ALLOW_UNTESTED_VLLM: True if force else None}
+        state.arguments = {envs.ALLOCATION: allocation, envs.LRU_WINDOW: lru_window,
+                           envs.ALLOW_UNTESTED_VLLM: True if force else None}
         state.policy = policy
         try:
             _rebind_names(state, replacements)
@@ -239,8 +249,8 @@ def install(*, force: bool = False, allocation: str | None = None) -> bool:
             _undo(state)
             raise
         _state = state
-        _allocation.set_policy(policy)
-        logger.debug("kvpool installed into vLLM %s (allocation=%s)", version, policy)
+        _allocation.set_policy(policy, window)
+        logger.debug("kvpool installed into vLLM %s (allocation=%s, lru_window=%d)", version, policy, window)
         return True
 
 

@@ -52,10 +52,12 @@ def register() -> None:
         return
     from kvpool import allocation
 
+    window = allocation.current_lru_window()
     logger.info(
-        "kvpool %s active: native block pool patched into vLLM %s (pid %d), allocation policy %s",
+        "kvpool %s active: native block pool patched into vLLM %s (pid %d), allocation policy %s%s",
         __version__,
         patching.installed_vllm_version(),
         os.getpid(),
         allocation.current(),
+        f" (lru_window {window} blocks)" if window else "",
     )

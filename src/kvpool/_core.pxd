@@ -48,6 +48,8 @@ cdef class FreeKVCacheBlockQueue:
     cdef int32_t _plan_want
     # How many blocks the last contiguous take() found uncached (the rest: the LRU's).
     cdef int32_t _last_take_uncached
+    # The contiguous order's opt-in LRU window (blocks; 0: vLLM's exact LRU).
+    cdef int32_t _lru_window
     cdef vector[int32_t] _scratch
     cdef vector[PyObject*] _ptr_scratch
     cdef vector[Py_ssize_t] _idx_scratch  # the ref_cnt undo journal's loop indices

@@ -48,6 +48,8 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     cdef int32_t extents_before = 0
     cdef int32_t uncached = n, cont = -1
     cdef vector[pair[int32_t, ObjPtr]] placement  # the table order's scratch
+    cdef vector[int32_t] lru_front  # with an LRU window: the LRU front, for an undo
+    cdef int32_t nfront = 0
     if n < 0:
         raise ValueError(f"cannot get a negative number of blocks ({n})")
     if n > queue._list.size() + queue._count_offset:
@@ -71,8 +73,12 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
         # The policy chooses the blocks and unlinks them at once; then the same
         # common case as below, over the chosen blocks.
         placement.reserve(n)
+        if queue._lru_window > 0:
+            lru_front.resize(n + queue._lru_window)
+            nfront = queue._list.lru_front_slots(<int32_t>lru_front.size(), lru_front.data())
         extents_before = queue._list.num_extents(owner) if owner > 0 else 0
-        uncached = queue._list.take(<int32_t>n, hint, owner, want, popped.data())
+        uncached = queue._list.take(<int32_t>n, hint, owner, want, popped.data(),
+                                    queue._lru_window)
         while i < n:
             o = table[popped[i]]
             if (o == none or (<KVCacheBlock>o)._ref_cnt_o != zero or (enable_caching and (
@@ -168,6 +174,8 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
             nback += 1
         if nback:
             queue._list.reinsert_front(popped.data(), <int32_t>nback)
+        if nfront and not queue_changed:  # the LRU window took from inside the front
+            queue._list.restore_lru_front(lru_front.data(), nfront)
         if owner > 0 and queue._list.order() == ORDER_CONTIGUOUS:
             queue._list.truncate_extents(owner, extents_before)  # the extent this call reserved
         for j in range(i):

@@ -269,7 +269,8 @@ cdef class FreeKVCacheBlockQueue:
         cdef Py_ssize_t i = 0, j, nback = 0
         cdef vector[int32_t] slots
         cdef vector[PyObject*] refs
-        cdef int32_t hint = -1, owner = 0, want = 0, extents_before = 0
+        cdef int32_t hint = -1, owner = 0, want = 0, extents_before = 0, nfront = 0
+        cdef vector[int32_t] lru_front  # with an LRU window: the LRU front, for an undo
         if n < 0:
             raise ValueError(f"cannot pop a negative number of blocks ({n})")
         if n > self._list.size():
@@ -281,7 +282,11 @@ cdef class FreeKVCacheBlockQueue:
             hint, owner, want = self._plan_hint, self._plan_owner, self._plan_want
             self._plan_hint, self._plan_owner, self._plan_want = -1, 0, 0
             extents_before = self._list.num_extents(owner) if owner > 0 else 0
-            self._last_take_uncached = self._list.take(n, hint, owner, want, slots.data())
+            if self._lru_window > 0:
+                lru_front.resize(n + self._lru_window)
+                nfront = self._list.lru_front_slots(<int32_t>lru_front.size(), lru_front.data())
+            self._last_take_uncached = self._list.take(n, hint, owner, want, slots.data(),
+                                                      self._lru_window)
         else:
             self._list.popleft_n(n, slots.data())
         try:
@@ -300,6 +305,8 @@ cdef class FreeKVCacheBlockQueue:
                     nback += 1
             if nback:
                 self._list.reinsert_front(slots.data(), <int32_t>nback)
+            if nfront and nback == n:  # the LRU window took from inside the front
+                self._list.restore_lru_front(lru_front.data(), nfront)
             if self._list.order() == ORDER_CONTIGUOUS and owner > 0:
                 self._list.truncate_extents(owner, extents_before)
             raise

@@ -47,8 +47,11 @@ cdef extern from "free_block_list.h" namespace "kvpool" nogil:
         Order order()
         void set_order(Order order) except +
         const SlotBitmap& uncached()
-        int32_t take(int32_t n, int32_t hint, int32_t owner, int32_t want, int32_t* out) except +
+        int32_t take(int32_t n, int32_t hint, int32_t owner, int32_t want, int32_t* out,
+                     int32_t lru_window) except +
         void reinsert_front(const int32_t* slots, int32_t n) except +
+        int32_t lru_front_slots(int32_t span, int32_t* out)
+        void restore_lru_front(const int32_t* slots, int32_t n)
         int32_t lru_front()
         void make_uncached(int32_t slot) except +
         void release(int32_t owner)

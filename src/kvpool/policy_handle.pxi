@@ -142,6 +142,27 @@ cdef class FreeQueuePolicy:
         place_ascending(slots.data() + k, <ObjPtr*>items + k, <int32_t>(n - k),
                         slots[k - 1] + 1 if k > 0 else hint, scratch)
 
+    @property
+    def lru_window(self):
+        """The contiguous order's LRU window (blocks; 0, the default: vLLM's exact
+        LRU). With W > 0 an allocation that must evict first takes the blocks that
+        continue its table when they are among the W oldest evictable blocks
+        (``FreeBlockList::take``); which cached blocks are evicted then differs from
+        vLLM's."""
+        return self._queue._lru_window
+
+    def set_lru_window(self, int32_t blocks):
+        """Set :attr:`lru_window` (blocks >= 0).
+
+        Raises:
+            ValueError: ``blocks`` negative, or the queue is not in the contiguous order.
+        """
+        if blocks < 0:
+            raise ValueError(f"lru_window must be >= 0 blocks, got {blocks}")
+        if blocks and self._queue._list.order() != ORDER_CONTIGUOUS:
+            raise ValueError("an LRU window needs the contiguous order (allocation=\"contiguous\")")
+        self._queue._lru_window = blocks
+
     def release_extent(self, int32_t owner):
         """Forget the block ranges reserved for ``owner`` (contiguous order)."""
         self._queue._list.release(owner)

@@ -63,7 +63,46 @@ def test_metrics_interval_rejects_what_is_not_seconds(raw):
         envs.get(envs.METRICS_INTERVAL_S, {envs.METRICS_INTERVAL_S: raw})
 
 
+@pytest.mark.parametrize("raw,expected", [("0", 0), ("64", 64), (" 256 ", 256), ("", 0)])
+def test_lru_window_blocks(raw, expected):
+    assert envs.get(envs.LRU_WINDOW, {envs.LRU_WINDOW: raw}) == expected
+
+
+@pytest.mark.parametrize("raw", ["-1", "1.5", "many", "2147483648", "٢"])
+def test_lru_window_rejects_what_is_not_a_whole_number_of_blocks(raw):
+    with pytest.raises(envs.InvalidSettingError, match="KVPOOL_LRU_WINDOW=.*whole number of blocks"):
+        envs.get(envs.LRU_WINDOW, {envs.LRU_WINDOW: raw})
+
+
+def test_lru_window_is_installed_with_the_contiguous_policy_only(monkeypatch):
+    from kvpool.block_pool import BlockPool
+
+    try:
+        kvpool.install(allocation="contiguous", lru_window=64)
+        assert BlockPool(64, enable_caching=True, hash_block_size=16).free_block_queue.policy.lru_window == 64
+        assert patching.installed_arguments()[envs.LRU_WINDOW] == 64
+        with pytest.raises(ValueError, match="lru_window=64; uninstall"):
+            kvpool.install(allocation="contiguous", lru_window=16)
+        assert kvpool.install(allocation="contiguous", lru_window=64) is False
+        kvpool.uninstall()
+        monkeypatch.setenv(envs.LRU_WINDOW, "16")
+        kvpool.install(allocation="contiguous")
+        assert BlockPool(64, enable_caching=True, hash_block_size=16).free_block_queue.policy.lru_window == 16
+        kvpool.uninstall()
+        # The variable without the policy is refused, not ignored.
+        with pytest.raises(envs.InvalidSettingError, match="KVPOOL_LRU_WINDOW='16'.*needs allocation"):
+            kvpool.install()
+        assert not kvpool.is_installed()
+    finally:
+        kvpool.uninstall()
+    assert BlockPool(64, enable_caching=True, hash_block_size=16).free_block_queue.policy.lru_window == 0
+
+
 @pytest.mark.parametrize("kwargs,exc,match", [
+    ({"allocation": "contiguous", "lru_window": -1}, ValueError, r"lru_window=-1 .*whole number"),
+    ({"allocation": "contiguous", "lru_window": 2.0}, ValueError, r"lru_window=2.0"),
+    ({"allocation": "contiguous", "lru_window": True}, ValueError, r"lru_window=True"),
+    ({"allocation": "vllm", "lru_window": 64}, ValueError, r"lru_window=64 .*needs allocation=\"contiguous\""),
     ({"allocation": 1}, ValueError, r"allocation=1 .*vllm, contiguous"),
     ({"allocation": ""}, ValueError, r"allocation=''"),
     ({"allocation": "foo"}, ValueError, r"allocation='foo'"),

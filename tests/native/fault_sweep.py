@@ -195,6 +195,21 @@ def op_get_new_blocks_extent(state):
     _get(state, 12, 8, 7, 16)
 
 
+def _lru_window(state):
+    state.pool.free_block_queue.policy.set_lru_window(8)
+
+
+def op_get_new_blocks_lru_window(state):
+    # Every uncached block and two of the LRU segment's, chosen in an LRU window. The
+    # eviction callback keeps the hashes: an eviction that ran before the failing
+    # allocation would stay done (vLLM's callback has no undo), and the sweep checks the
+    # free list's exact order after the undo (restore_lru_front).
+    pool = state.pool
+    queue = pool.free_block_queue
+    state.held += armed(pool_get_new_blocks, queue, queue.policy.num_uncached_free + 2, True,
+                        pool.cached_block_hashes_by_block, lambda block: None, -1, 0, 0)
+
+
 def op_free_blocks(state):
     blocks = list(reversed(state.held[:6]))
     armed(pool_free_blocks, state.pool, state.pool.free_block_queue, blocks, True)
@@ -353,6 +368,7 @@ OPERATIONS = {
     "get_new_blocks_contiguous": (op_get_new_blocks_contiguous, "contiguous", None, None),
     "get_new_blocks_segments": (op_get_new_blocks, "vllm", "segments", None),
     "get_new_blocks_extent": (op_get_new_blocks_extent, "contiguous", None, None),
+    "get_new_blocks_lru_window": (op_get_new_blocks_lru_window, "contiguous", None, _lru_window),
     "free_blocks": (op_free_blocks, "vllm", None, None),
     "free_blocks_pool": (op_free_blocks_pool, "vllm", None, None),
     "free_blocks_contiguous": (op_free_blocks, "contiguous", None, None),

@@ -82,7 +82,7 @@ def test_the_shim_fails_exactly_the_armed_allocation(failmalloc):
 @pytest.mark.parametrize("operations", [
     ("create", "create_pool", "create_contiguous", "takeover", "adopt"),
     ("get_new_blocks", "get_new_blocks_pool", "get_new_blocks_contiguous", "get_new_blocks_segments",
-     "get_new_blocks_extent"),
+     "get_new_blocks_extent", "get_new_blocks_lru_window"),
     ("free_blocks", "free_blocks_pool", "free_blocks_contiguous", "touch", "touch_contiguous"),
     ("set_order_contiguous", "set_order_segments", "reorder", "reorder_pool", "reorder_contiguous",
      "rebuild_uncached", "reset_prefix_cache", "reset_prefix_cache_contiguous"),

@@ -61,11 +61,11 @@ def snapshot() -> dict[str, int]:
 
 
 @pytest.mark.parametrize(
-    "small_int_fast_path, policy",
-    [(True, "vllm"), (False, "vllm"), (True, "contiguous")],
-    ids=["small-int-fast-path", "slow-path", "contiguous-policy"],
+    "small_int_fast_path, policy, lru_window",
+    [(True, "vllm", 0), (False, "vllm", 0), (True, "contiguous", 0), (True, "contiguous", 16)],
+    ids=["small-int-fast-path", "slow-path", "contiguous-policy", "contiguous-lru-window"],
 )
-def test_hot_paths_leak_no_references_or_objects(small_int_fast_path, policy):
+def test_hot_paths_leak_no_references_or_objects(small_int_fast_path, policy, lru_window):
     from kvpool import allocation
     from kvpool._core import _set_small_int_fast_path
 
@@ -73,12 +73,13 @@ def test_hot_paths_leak_no_references_or_objects(small_int_fast_path, policy):
     _set_small_int_fast_path(small_int_fast_path)
     try:
         num_ops = NUM_OPS if small_int_fast_path else NUM_OPS // 4
-        allocation.set_policy(policy)  # the contiguous order's take / sorted insert / put-back
+        allocation.set_policy(policy, lru_window)  # the contiguous order's take / sorted insert / put-back
         try:
             side = KvpoolSide(128)
         finally:
             allocation.set_policy("vllm")
         assert side.pool.allocation == policy
+        assert side.pool.free_block_queue.policy.lru_window == lru_window
         workload = PoolWorkload([side], seed=SEED, errors=True)
         workload.side = workload.sides[0]
         list(workload.side.pool.blocks)  # every block object created

@@ -16,7 +16,11 @@ and for ``install()`` without the argument):
   vLLM's exact order. Which cached blocks are hit or evicted, in which order, the KV
   events and the preemptions are vLLM's; only the ids of uncached allocations differ
   (docs/design.md, "Allocation policies"). It is the one policy that needs the
-  single-type managers' hooks (:mod:`kvpool.patches.manager_hooks`).
+  single-type managers' hooks (:mod:`kvpool.patches.manager_hooks`). Its one knob,
+  ``lru_window`` (``install(allocation="contiguous", lru_window=W)`` /
+  ``KVPOOL_LRU_WINDOW``, default 0 = exact), is an opt-in, bounded relaxation of
+  vLLM's LRU: an allocation that must evict may first take, among the W oldest
+  evictable blocks, those that continue its table.
 
 The interface every policy implements is :class:`~kvpool.allocation.base.AllocationPolicy`;
 ``BlockPool`` calls its hooks unconditionally (the null policy's do nothing).
@@ -39,7 +43,11 @@ REORDER_ON_IDLE_ENV = envs.REORDER_ON_IDLE
 #: Policy classes by name (``POLICIES``).
 POLICY_CLASSES: dict[str, type[AllocationPolicy]] = {"vllm": VllmOrder, "contiguous": ContiguousPolicy}
 
+#: ``KVPOOL_LRU_WINDOW``: the contiguous policy's LRU window (blocks).
+LRU_WINDOW_ENV = envs.LRU_WINDOW
+
 _policy = "vllm"
+_lru_window = 0
 
 
 def resolve(allocation: str | None) -> str:
@@ -56,15 +64,46 @@ def resolve(allocation: str | None) -> str:
     return envs.get(ALLOCATION_ENV)
 
 
+def resolve_lru_window(lru_window: int | None, policy: str) -> int:
+    """The LRU window to install with ``policy``: ``lru_window``, else
+    ``$KVPOOL_LRU_WINDOW``, else 0 (blocks).
+
+    Raises:
+        kvpool.envs.InvalidSettingError: not a whole number >= 0; or a window > 0 with
+            a policy other than ``"contiguous"`` (the message names the argument or
+            the variable).
+    """
+    given = envs.check_argument(LRU_WINDOW_ENV, lru_window)
+    window = envs.get(LRU_WINDOW_ENV) if given is None else given
+    if window and policy != "contiguous":
+        name = "lru_window" if given is not None else LRU_WINDOW_ENV
+        raise envs.InvalidSettingError(
+            name, lru_window if given is not None else str(window),
+            f'0 with allocation={policy!r} (an LRU window needs allocation="contiguous")')
+    return window
+
+
 def current() -> str:
     """The policy pools built now get (``"vllm"`` while kvpool is not installed)."""
     return _policy
 
 
-def set_policy(name: str) -> None:
-    """Set the policy for pools built from now on (``install()`` / ``uninstall()``)."""
-    global _policy
-    _policy = resolve(name)
+def current_lru_window() -> int:
+    """The contiguous policy's LRU window pools built now get (blocks; 0: exact LRU)."""
+    return _lru_window
+
+
+def set_policy(name: str, lru_window: int = 0) -> None:
+    """Set the policy (and the contiguous policy's LRU window, blocks) for pools built
+    from now on (``install()`` / ``uninstall()``).
+
+    Raises:
+        kvpool.envs.InvalidSettingError: as :func:`resolve` / :func:`resolve_lru_window`.
+    """
+    global _policy, _lru_window
+    policy = resolve(name)
+    window = resolve_lru_window(lru_window, policy)
+    _policy, _lru_window = policy, window
 
 
 def reorder_on_idle() -> bool:
@@ -88,6 +127,8 @@ def new_policy(num_gpu_blocks: int, name: str | None = None) -> AllocationPolicy
     name = current() if name is None else resolve(name)
     if name == "vllm" and reorder_on_idle():
         return VllmOrderRestoreOnIdle(num_gpu_blocks)
+    if name == "contiguous":
+        return ContiguousPolicy(num_gpu_blocks, lru_window=current_lru_window())
     return POLICY_CLASSES[name](num_gpu_blocks)
 
 
@@ -99,6 +140,7 @@ def needs_manager_hooks(name: str) -> bool:
 __all__ = [
     "ALLOCATION_ENV",
     "EXTENT_CAP_FRACTION",
+    "LRU_WINDOW_ENV",
     "POLICIES",
     "POLICY_CLASSES",
     "REORDER_ON_IDLE_ENV",
@@ -107,9 +149,11 @@ __all__ = [
     "VllmOrder",
     "VllmOrderRestoreOnIdle",
     "current",
+    "current_lru_window",
     "needs_manager_hooks",
     "new_policy",
     "reorder_on_idle",
     "resolve",
+    "resolve_lru_window",
     "set_policy",
 ]

@@ -26,6 +26,14 @@ made to preempt because of them (it falls back to the lowest free uncached block
 then to other tables' reserved ones, then to the LRU segment). A table's reservation
 is released when the request's blocks are freed, every reservation when the pool is
 idle.
+
+The blocks an allocation takes from the LRU segment are evicted in vLLM's order and
+placed in the table ascending by id, continuing the table's last run when they can
+(``cpp/table_placement.h``). ``lru_window=W`` (opt-in, ``KVPOOL_LRU_WINDOW``; default 0,
+vLLM's exact LRU) lets an allocation that takes m blocks from the LRU segment take
+any m of its m + W oldest, when that makes fewer runs than the m oldest
+(``FreeBlockList::take``): which cached blocks are evicted then differs from vLLM's
+by at most W blocks per allocation.
 """
 
 from __future__ import annotations
@@ -47,20 +55,27 @@ class ContiguousPolicy(AllocationPolicy):
         table_owners: ``{(id(manager), request_id): owner}``, the extent owner ids
             of the live tables (1 .. 0x7FFFFFF0).
         extent_cap: the largest extent a table is given (blocks).
+        lru_window: the LRU window (blocks; 0: vLLM's exact LRU).
     """
 
     name = "contiguous"
     manager_hooks = True
 
-    def __init__(self, num_gpu_blocks: int):
+    def __init__(self, num_gpu_blocks: int, lru_window: int = 0):
         super().__init__(num_gpu_blocks)
+        #: Blocks: an allocation that must evict may first take, among the
+        #: ``lru_window`` oldest evictable blocks, those that continue its table (0:
+        #: vLLM's exact LRU; ``KVPOOL_LRU_WINDOW``).
+        self.lru_window = lru_window
         self.expected_tokens: dict[str, int] = {}
         self.table_owners: dict[tuple[int, str], int] = {}
         self._next_owner = 1
         self.extent_cap = max(1, int(num_gpu_blocks * EXTENT_CAP_FRACTION))
 
     def attach(self, pool: Any) -> None:
-        self.queue_policy(pool).set_order("contiguous")
+        handle = self.queue_policy(pool)
+        handle.set_order("contiguous")
+        handle.set_lru_window(self.lru_window)
 
     def extend_table(self, pool: Any, num_blocks: int, manager: Any, request_id: str) -> list:
         table = manager.req_to_blocks.get(request_id)

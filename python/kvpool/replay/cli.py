@@ -19,6 +19,7 @@ from kvpool.replay import report
 from kvpool.replay.compare import compare
 from kvpool.replay.engine import PoolSpec
 from kvpool.replay.modes import MODES
+from kvpool.replay.modes import get as get_mode
 from kvpool.replay.results import RunConfig
 from kvpool.replay.traces import from_trace, truncate_rounds
 from kvpool.replay.workloads import WORKLOADS, Workload
@@ -33,9 +34,17 @@ def _range(text: str) -> tuple[int, int]:
     return parts[0], parts[1]
 
 
+def _known_mode(name: str) -> bool:
+    try:
+        get_mode(name)
+    except ValueError:
+        return False
+    return True
+
+
 def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if not _known_mode(m)]
     if bad or not modes:
         raise argparse.ArgumentTypeError(f"unknown mode(s) {bad}; choose from {','.join(MODES)}")
     return modes

@@ -82,6 +82,8 @@ def _versus(rounds: list[dict[str, Any]], base: list[dict[str, Any]], entry: Mod
         rounds_compared=min(len(rounds), len(base)),
         rounds_identical_to_vanilla=sum(same),
         first_round_differing_from_vanilla=next((i for i, s in enumerate(same) if not s), None),
+        hit_tokens_ratio_vs_vanilla=_ratio(sum(r["prefix_cache_hit_tokens"] for r in rounds),
+                                           sum(r["prefix_cache_hit_tokens"] for r in base)),
         prompt_descriptors_ratio_vs_vanilla=_ratio(entry.prompt_descriptors_total,
                                                    sum(r.get("prompt_descriptors_total", 0) for r in base)),
         offload_copies_ratio_vs_vanilla=_ratio(entry.offload_copies_total,

@@ -7,6 +7,10 @@
   on the scheduler, else the KV cache manager, else its block pool, whichever has it.
 - ``kvpool+contiguous``: ``kvpool.install(allocation="contiguous")``: kvpool's
   contiguity-keeping allocation policy, no reset-time reorder.
+- ``kvpool+contiguous+wW`` (W a whole number > 0, e.g. ``kvpool+contiguous+w64``; not
+  in the default set): ``kvpool.install(allocation="contiguous", lru_window=W)``, the
+  policy's opt-in relaxation of vLLM's LRU (hits and evictions may then differ from
+  vanilla's, which the comparison reports).
 
 A mode is switched by :func:`set_mode` before its scheduler is built: the allocation
 policy is read when a pool is created, so each kvpool mode reinstalls kvpool.
@@ -35,11 +39,13 @@ class Mode:
         allocation: ``kvpool.install(allocation=...)``; ``None``: vLLM's own classes.
         reorder: call ``reset_free_block_queue_order()`` after each
             ``reset_prefix_cache()`` between rounds.
+        lru_window: ``kvpool.install(lru_window=...)`` (blocks; 0: vLLM's exact LRU).
     """
 
     name: str
     allocation: str | None = None
     reorder: bool = False
+    lru_window: int = 0
 
     @property
     def uses_kvpool(self) -> bool:
@@ -69,8 +75,14 @@ def get(mode: str | Mode) -> Mode:
         return mode
     try:
         return _BY_NAME[mode]
-    except KeyError:
-        raise ValueError(f"unknown mode {mode!r}; choose from {MODES}") from None
+    except (KeyError, TypeError):
+        pass
+    prefix = CONTIGUOUS.name + "+w"
+    if isinstance(mode, str) and mode.startswith(prefix):
+        window = mode[len(prefix):]
+        if window.isascii() and window.isdigit() and 0 < int(window) < 2**31 and window[0] != "0":
+            return Mode(mode, allocation="contiguous", lru_window=int(window))
+    raise ValueError(f"unknown mode {mode!r}; choose from {MODES} or {prefix}W (W blocks > 0)")
 
 
 def _kvpool_api():
@@ -135,7 +147,7 @@ def set_mode(mode: str | Mode) -> None:
     # install() was given: reinstall so that a previous mode's choice does not linger.
     if is_installed():
         uninstall()
-    install(allocation=mode.allocation)
+    install(allocation=mode.allocation, lru_window=mode.lru_window)
     if not is_installed():
         raise RuntimeError("kvpool.install() returned but kvpool.is_installed() is False")
 

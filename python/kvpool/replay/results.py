@@ -138,16 +138,21 @@ class ModeInfo:
     #: kvpool modes only: ``install(allocation=...)``, and the pool's own ``allocation``.
     allocation: str | None = None
     pool_allocation: str | None = None
+    #: ``kvpool+contiguous+wW`` modes only: the pool's LRU window (blocks).
+    lru_window: int | None = None
     #: Continuous workloads only.
     drain: DrainResult | None = None
     wall_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)
-                               if f.name not in ("allocation", "pool_allocation", "drain", "wall_s")}
+                               if f.name not in ("allocation", "pool_allocation", "lru_window", "drain",
+                                                 "wall_s")}
         if self.allocation is not None:
             out["allocation"] = self.allocation
             out["pool_allocation"] = self.pool_allocation
+        if self.lru_window:
+            out["lru_window"] = self.lru_window
         if self.drain is not None:
             out["drain"] = self.drain.to_json()
         out["wall_s"] = self.wall_s
@@ -186,6 +191,8 @@ class VersusVanilla:
     #: Rounds whose ``table_digest`` equals vanilla's, and the first that does not.
     rounds_identical_to_vanilla: int
     first_round_differing_from_vanilla: int | None
+    #: Prefix-cache hit tokens over all rounds / vanilla's (1.0 when the cache is kept).
+    hit_tokens_ratio_vs_vanilla: float | None = None
     #: Total prompt descriptors / vanilla's, offloading copies / vanilla's.
     prompt_descriptors_ratio_vs_vanilla: float | None = field(default=None, metadata=_TRANSFER)
     offload_copies_ratio_vs_vanilla: float | None = field(default=None, metadata=_TRANSFER)

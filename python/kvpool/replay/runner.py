@@ -64,6 +64,12 @@ def _mode_info(mode: Mode, scheduler, pool: PoolSpec, reorder_name: str | None) 
             raise ModeUnavailable(
                 f"kvpool.install(allocation={mode.allocation!r}) built a pool whose allocation is "
                 f"{info.pool_allocation!r}")
+        if mode.lru_window:
+            info.lru_window = block_pool.free_block_queue.policy.lru_window
+            if info.lru_window != mode.lru_window:
+                raise ModeUnavailable(
+                    f"kvpool.install(lru_window={mode.lru_window}) built a pool whose LRU window is "
+                    f"{info.lru_window}")
     return info
 
 
