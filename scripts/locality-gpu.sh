@@ -9,6 +9,9 @@
 # prefill 8 x 8192 and 1 x 1024, decode 256 x 4096; FlexAttention kernel, checked against
 # the gather + SDPA reference first) takes about 3-5 minutes, most of it compiling one
 # kernel per batch shape; the timeout keeps it under 8. Extra arguments go to the command.
+# Then the transfer phase (python -m kvpool.locality.transfer: the serving replay's prompt
+# tables after the pool wraps, copied device -> pinned host one descriptor at a time,
+# vanilla's tables against the contiguous policy's), under 4 more minutes.
 #
 #   bash scripts/locality-gpu.sh                 # JSON, table and PNG under $OUT (or /tmp/kvpool-locality)
 #   bash scripts/locality-gpu.sh --layers 4      # any `python -m kvpool locality` flag
@@ -41,4 +44,10 @@ plot=()
 if "$PY" -c "import matplotlib" 2>/dev/null; then plot=(--plot "$DEST/locality-gpu.png"); fi
 timeout --signal=INT 450 "$PY" -m kvpool locality --device cuda --kernel flex --check \
     --json "$DEST/locality-gpu.json" "${plot[@]}" "$@" 2>&1 | tee "$DEST/locality-gpu.txt"
-exit "${PIPESTATUS[0]}"
+rc=${PIPESTATUS[0]}
+# The transfer phase: the serving replay's post-wrap prompt tables moved device -> pinned
+# host, one copy per descriptor, per layer and K/V (about a minute; docs/locality.md).
+timeout --signal=INT 240 "$PY" -m kvpool.locality.transfer --device cuda \
+    --json "$DEST/transfer-gpu.json" 2>&1 | tee "$DEST/transfer-gpu.txt"
+trc=${PIPESTATUS[0]}
+exit $(( rc != 0 ? rc : trc ))

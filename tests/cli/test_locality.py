@@ -125,6 +125,79 @@ def test_replay_save_tables_output_loads_as_replay_layouts(tmp_path):
     assert replay_tables.default_layouts(compact) == ["replay:vanilla@3"]
 
 
+# --- the transfer phase ------------------------------------------------------------------
+
+
+def test_shipped_transfer_tables_are_post_wrap_serving_prompts_with_fewer_descriptors():
+    from kvpool.locality import transfer
+
+    assert transfer.DEFAULT_PATH.stat().st_size < 400_000
+    tables, source = transfer.load()
+    assert source["workload"] == "serving" and source["num_blocks"] == 85_000
+    assert set(tables) == {"vanilla", "kvpool+contiguous", "kvpool+contiguous+w64"}
+    for ts in tables.values():  # the same requests, prompt by prompt (same hits, same lengths)
+        assert [len(t) for t in ts] == [len(t) for t in tables["vanilla"]]
+        for t in ts:  # the module's descriptors are the replay's
+            assert len(transfer.descriptors(t)) == metrics.transfer_descriptors(t)
+            assert sum(n for _, n in transfer.descriptors(t)) == sum(1 for b in t if b)
+    count = {m: sum(len(transfer.descriptors(t)) for t in ts) for m, ts in tables.items()}
+    # Recorded: 82,065 for vanilla, 6,695 with exact LRU, 3,317 with an LRU window of 64.
+    assert count["kvpool+contiguous+w64"] < count["kvpool+contiguous"] < 0.25 * count["vanilla"]
+
+
+def test_transfer_phase_copies_every_descriptor_and_checks_the_blocks(tmp_path, capsys):
+    pytest.importorskip("torch")
+    from kvpool.locality import transfer
+
+    out = tmp_path / "transfer.json"
+    assert transfer.main(["--device", "cpu", "--max-prompts", "40", "--layers", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    tables, _ = transfer.load()
+    modes = report["modes"]
+    assert list(modes) == list(tables)
+    for mode, r in modes.items():
+        assert r["prompts"] == 40
+        assert r["descriptors"] == sum(metrics.transfer_descriptors(t) for t in tables[mode][:40])
+        assert r["copies"] == r["descriptors"] * 2 * 2  # layers x K/V
+        assert r["blocks"] == modes["vanilla"]["blocks"] and r["bytes"] == modes["vanilla"]["bytes"]
+    assert modes["kvpool+contiguous"]["descriptors"] < modes["vanilla"]["descriptors"]
+    assert "one copy_ per descriptor" in capsys.readouterr().out
+
+
+def test_transfer_phase_refuses_copies_that_misplace_blocks(monkeypatch):
+    pytest.importorskip("torch")
+    from kvpool.locality import transfer
+
+    tables = {"scrambled": [[5, 6, 7, 9]]}
+    good = transfer.measure(tables, device="cpu", layers=1, block_size=1, num_kv_heads=1, head_size=4,
+                            warmup=0, reps=1)
+    assert good["modes"]["scrambled"]["descriptors"] == 2
+    # A descriptor list that reads the runs in the wrong order puts the wrong blocks there.
+    monkeypatch.setattr(transfer, "descriptors", lambda t: [(9, 1), (5, 3)])
+    with pytest.raises(RuntimeError, match="did not reproduce"):
+        transfer.measure(tables, device="cpu", layers=1, block_size=1, num_kv_heads=1, head_size=4,
+                         warmup=0, reps=1)
+
+
+def test_transfer_extract_keeps_the_post_wrap_prompt_tables(tmp_path):
+    from kvpool.locality import transfer
+
+    def rnd(i, evictions, prompts):
+        return {"round": i, "evictions": evictions, "tables": {"prompt": prompts, "finished": prompts}}
+
+    report = {"workload": {"name": "serving"}, "config": {"num_blocks": 64},
+              "modes": {"vanilla": {"rounds": [rnd(0, 0, [[1, 2]]), rnd(1, 5, [[9, 8, 7], [3]])]},
+                        "kvpool+contiguous": {"rounds": [rnd(0, 0, [[1, 2]]), rnd(1, 5, [[7, 8, 9], [3]])]}}}
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    assert transfer.main(["--extract", str(tmp_path / "r.json"), str(tmp_path / "c.json")]) == 0
+    tables, source = transfer.load(tmp_path / "c.json")
+    assert tables == {"vanilla": [[9, 8, 7], [3]], "kvpool+contiguous": [[7, 8, 9], [3]]}
+    assert source["num_blocks"] == 64
+    del report["modes"]["vanilla"]["rounds"][1]["tables"]
+    with pytest.raises(ValueError, match="--save-tables"):
+        transfer.extract(report)
+
+
 # --- kernels ----------------------------------------------------------------------------
 
 
