@@ -64,7 +64,8 @@ def _refusing_reordered_pools(method):
 
     @functools.wraps(method)
     def wrapper(self, gpu_block_pool, *args, **kwargs):
-        if getattr(self, "_lazy_mode", False):
+        # (A lazy offloader without a target, no prefix-cacheable group, never walks.)
+        if getattr(self, "_lazy_mode", False) and getattr(self, "_target_free", 1) > 0:
             check_lazy_offload_pool(gpu_block_pool)
         return method(self, gpu_block_pool, *args, **kwargs)
 
