@@ -21,6 +21,7 @@ __all__ = [
     "InvalidSettingError",
     "KVCacheBlock",
     "KvpoolError",
+    "LazyOffloadOrderError",
     "NotAKvpoolPoolError",
     "UnsupportedVLLMVersionError",
     "__version__",
@@ -78,6 +79,10 @@ def __getattr__(name: str):
         from kvpool.errors import KvpoolError
 
         return KvpoolError
+    if name == "LazyOffloadOrderError":
+        from kvpool.patches.lazy_offload import LazyOffloadOrderError
+
+        return LazyOffloadOrderError
     if name == "NotAKvpoolPoolError":
         from kvpool.block_pool import NotAKvpoolPoolError
 

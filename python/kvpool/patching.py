@@ -68,6 +68,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "kvpool.patches.deferred_free",
     "kvpool.patches.metrics",
     "kvpool.patches.engine_api",
+    "kvpool.patches.lazy_offload",
 )
 
 

@@ -169,12 +169,14 @@ def test_a_pool_whose_queue_is_replaced_by_another_kind_runs_vllms_code():
 def test_the_kvpool_error_base_covers_every_kvpool_exception():
     from kvpool import BlockIdOutOfRangeError, BlockStateError, KvpoolError, UnsupportedVLLMVersionError
 
-    for cls in (BlockStateError, BlockIdOutOfRangeError, UnsupportedVLLMVersionError, NotAKvpoolPoolError):
+    for cls in (BlockStateError, BlockIdOutOfRangeError, UnsupportedVLLMVersionError, NotAKvpoolPoolError,
+                kvpool.LazyOffloadOrderError):
         assert issubclass(cls, KvpoolError), cls
     # The built-in bases existing except clauses rely on are kept.
     assert issubclass(BlockStateError, ValueError) and issubclass(BlockStateError, RuntimeError)
     assert issubclass(BlockIdOutOfRangeError, IndexError)
     assert issubclass(UnsupportedVLLMVersionError, RuntimeError)
+    assert issubclass(kvpool.LazyOffloadOrderError, ValueError)
 
 
 # -- found by the second break-it pass ---------------------------------------------------

@@ -34,6 +34,13 @@ class AllocationPolicy:
     #: (:mod:`kvpool.patches.manager_hooks`) to know which block table an
     #: allocation extends; ``install()`` installs them only then.
     manager_hooks: ClassVar[bool] = False
+    #: True: the free queue keeps vLLM's order at every step, so a walk from a saved
+    #: cursor block (``iter_blocks_after``, the lazy CPU offloader's scan) sees what
+    #: it sees in vLLM. False (an order of its own): ``install()``'s offload guard
+    #: (:mod:`kvpool.patches.lazy_offload`) refuses to attach a lazy offloader.
+    keeps_vllm_free_order: ClassVar[bool] = True
+    #: How a user selects the policy (for messages).
+    setting: ClassVar[str] = 'allocation="vllm"'
 
     def __init__(self, num_gpu_blocks: int):
         self.num_gpu_blocks = num_gpu_blocks

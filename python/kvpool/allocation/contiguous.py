@@ -60,6 +60,10 @@ class ContiguousPolicy(AllocationPolicy):
 
     name = "contiguous"
     manager_hooks = True
+    # Sorted uncached blocks: a lazy offloader's cursor walk would see another
+    # sequence than vLLM's (docs/design.md, "Lazy CPU offloading").
+    keeps_vllm_free_order = False
+    setting = 'allocation="contiguous"'
 
     def __init__(self, num_gpu_blocks: int, lru_window: int = 0):
         super().__init__(num_gpu_blocks)

@@ -25,6 +25,10 @@ class VllmOrderRestoreOnIdle(VllmOrder):
     """vLLM's order; on idle (only the null block held) the uncached segment is put
     back in ``block_id`` order (``KVPOOL_REORDER_ON_IDLE=1``)."""
 
+    # The idle relink moves the uncached blocks around a lazy offloader's cursor.
+    keeps_vllm_free_order = False
+    setting = 'allocation="vllm" and KVPOOL_REORDER_ON_IDLE=1'
+
     def attach(self, pool: Any) -> None:
         self.queue_policy(pool).set_order("segments")
 

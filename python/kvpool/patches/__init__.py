@@ -11,6 +11,9 @@ Each module has an ``apply(patcher)`` that makes every change through the
 * :mod:`kvpool.patches.metrics`: the pool's fragmentation gauges on vLLM's stats and
   ``/metrics``;
 * :mod:`kvpool.patches.engine_api`: the reorder API through vLLM's engine layers.
+* :mod:`kvpool.patches.lazy_offload`: vLLM's lazy CPU offloader refuses a pool whose
+  policy does not keep vLLM's free-queue order (``allocation="contiguous"``,
+  ``KVPOOL_REORDER_ON_IDLE=1``).
 
 On a forced untested vLLM release a module whose targets are missing is skipped (with
 one warning naming it) and the rest installs (``kvpool.patching.skipped_patches``).

@@ -1,0 +1,89 @@
+"""The lazy CPU offloader's guard: refuse a pool whose free order is not vLLM's (a
+patch module).
+
+vLLM's ``SimpleCPUOffloadConnector`` in lazy mode (``lazy_offload=True``;
+``SimpleCPUOffloadScheduler._prepare_lazy_store_specs`` in
+``vllm/v1/simple_kv_offload/manager.py``, vLLM 0.30.0-0.33.0) stores nothing when a
+request computes its blocks: each step it walks the GPU free queue from a saved cursor
+block (``free_block_queue.iter_blocks_after(cursor)``), counts ``target_free`` free
+blocks and copies the cached ones among them to the CPU tier. What it stores, and so
+what the CPU tier can hit later, depends on where the cursor sits among the free
+blocks, uncached ones included. A policy that orders the free queue otherwise than
+vLLM (``allocation="contiguous"``: the uncached blocks sorted by id;
+``KVPOOL_REORDER_ON_IDLE=1``: relinked by id when the pool empties) keeps every
+prefix-cache hit and eviction of vLLM, but moves uncached blocks before or behind that
+cursor, so the walk reaches other cached blocks at other steps: other stores, fewer
+CPU hits (docs/design.md, "Lazy CPU offloading"). Such a pool is refused when the
+offloader binds it (``bind_gpu_block_pool``, called when vLLM's ``Scheduler`` is
+built), with :class:`LazyOffloadOrderError`, before anything is served. The eager
+offloader (the default, ``lazy_offload=False``) stores from the requests' block tables,
+not from the free queue, and runs on every policy unchanged.
+
+Installed by every ``kvpool.install()`` (the policy is per pool, chosen when the pool
+is built); a wrapper of one method vLLM calls once per engine, which passes through
+for the eager offloader and for pools that keep vLLM's order.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from kvpool.errors import KvpoolError
+
+
+class LazyOffloadOrderError(KvpoolError, ValueError):
+    """vLLM's lazy CPU offloader was bound to a kvpool pool whose allocation policy
+    does not keep vLLM's free-queue order (it would get other stores and fewer CPU
+    hits than on vLLM's pool)."""
+
+
+def check_lazy_offload_pool(pool: Any) -> None:
+    """Raise :class:`LazyOffloadOrderError` when ``pool`` is a kvpool pool whose policy
+    orders the free queue otherwise than vLLM; nothing for vLLM's own pools and for
+    kvpool's default order."""
+    if not getattr(pool, "_kvpool_init", False):
+        return
+    policy = getattr(pool, "_policy", None)
+    if policy is None or policy.keeps_vllm_free_order:
+        return
+    raise LazyOffloadOrderError(
+        f"vLLM's lazy CPU offloading (SimpleCPUOffloadConnector with lazy_offload=True) "
+        f"cannot run on a kvpool block pool with {policy.setting}: the lazy offloader "
+        f"stores the cached blocks it meets walking the GPU free queue from a saved "
+        f"cursor, and this policy orders the free queue's uncached blocks differently "
+        f"from vLLM, so the CPU tier would get other stores and fewer hits than on vLLM's "
+        f"pool. Use the eager offloader (lazy_offload=False, the default), which this "
+        f"policy serves exactly as vLLM, or kvpool's default order (allocation=\"vllm\" "
+        f"without KVPOOL_REORDER_ON_IDLE).")
+
+
+def _refusing_reordered_pools(method):
+    """Wrap ``SimpleCPUOffloadScheduler.bind_gpu_block_pool``: a lazy offloader checks
+    the pool first (:func:`check_lazy_offload_pool`)."""
+
+    @functools.wraps(method)
+    def wrapper(self, gpu_block_pool, *args, **kwargs):
+        # (A lazy offloader without a target, no prefix-cacheable group, never walks.)
+        if getattr(self, "_lazy_mode", False) and getattr(self, "_target_free", 1) > 0:
+            check_lazy_offload_pool(gpu_block_pool)
+        return method(self, gpu_block_pool, *args, **kwargs)
+
+    wrapper.__kvpool_wrapped__ = method
+    return wrapper
+
+
+def apply(patcher) -> None:
+    """Wrap the simple CPU offloader's ``bind_gpu_block_pool`` (called by
+    ``kvpool.install()``; undone by ``uninstall()``). Nothing when this vLLM has no
+    simple CPU offloader."""
+    try:
+        from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+    except ImportError:
+        return
+    patcher.require(SimpleCPUOffloadScheduler, "bind_gpu_block_pool")
+    patcher.set_attr(SimpleCPUOffloadScheduler, "bind_gpu_block_pool",
+                     _refusing_reordered_pools(SimpleCPUOffloadScheduler.bind_gpu_block_pool))
+
+
+__all__ = ["LazyOffloadOrderError", "apply", "check_lazy_offload_pool"]
