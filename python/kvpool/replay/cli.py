@@ -135,6 +135,8 @@ def make_workload(args: argparse.Namespace) -> Workload:
     if args.prefix_caching is not None:
         on = args.prefix_caching == "on"
         wl = replace(wl, engine=replace(wl.engine, enable_prefix_caching=on))
+        if wl.prefill is not None:  # P/D: both sides
+            wl.prefill = replace(wl.prefill, engine=replace(wl.prefill.engine, enable_prefix_caching=on))
         wl.description += f" [prefix caching {args.prefix_caching}]"
     if not wl.requests:
         raise SystemExit("replay: the workload has no requests (check --rounds)")

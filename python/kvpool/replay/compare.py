@@ -17,7 +17,9 @@ from kvpool.replay.results import ModeComparison, VersusVanilla
 #: ``VersusVanilla`` fields: rounds in which these per-round fields equal vanilla's.
 CACHE_EQUALITY = {
     "rounds_cache_equal_to_vanilla": (
-        "prefix_cache_hit_tokens", "evictions", "eviction_digest", "preemptions"),
+        "prefix_cache_hit_tokens", "evictions", "eviction_digest", "preemptions",
+        # (P/D: the prefill side's too; absent, hence equal, in other workloads)
+        "prefill_prefix_cache_hit_tokens", "prefill_evictions", "prefill_preemptions"),
     "rounds_hits_equal_to_vanilla": ("prefix_cache_hit_tokens",),
     "rounds_evictions_equal_to_vanilla": ("evictions", "eviction_digest"),
     "rounds_preemptions_equal_to_vanilla": ("preemptions",),
@@ -60,7 +62,15 @@ def _aggregate(rounds: list[dict[str, Any]]) -> ModeComparison:
                                     if r.get("prompt_descriptors_max") is not None), default=None),
         offload_copies_total=copies,
         offload_blocks_per_copy=offloaded / copies if copies else None,
+        pd_descriptors_total=_optional_total(rounds, "pd_descriptors_total"),
+        prefill_prompt_descriptors_total=_optional_total(rounds, "prefill_prompt_descriptors_total"),
     )
+
+
+def _optional_total(rounds: list[dict[str, Any]], key: str) -> int | None:
+    """Sum of a P/D round field; ``None`` when no round has it (not a P/D workload)."""
+    xs = [r[key] for r in rounds if r.get(key) is not None]
+    return sum(xs) if xs else None
 
 
 def _versus(rounds: list[dict[str, Any]], base: list[dict[str, Any]], entry: ModeComparison) -> VersusVanilla:
@@ -88,6 +98,8 @@ def _versus(rounds: list[dict[str, Any]], base: list[dict[str, Any]], entry: Mod
                                                    sum(r.get("prompt_descriptors_total", 0) for r in base)),
         offload_copies_ratio_vs_vanilla=_ratio(entry.offload_copies_total,
                                                _offload_total(base, "offload_copies_total")),
+        pd_descriptors_ratio_vs_vanilla=_ratio(entry.pd_descriptors_total,
+                                               _optional_total(base, "pd_descriptors_total")),
     )
 
 

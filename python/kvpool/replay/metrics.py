@@ -144,3 +144,27 @@ def spread(values: Sequence[int]) -> dict[str, int | None]:
     but total 0 when empty), so ``median <= p90 <= max <= total`` for counts."""
     return {"median": nearest_rank(values, 0.5), "p90": nearest_rank(values, 0.9),
             "max": max(values) if values else None, "total": sum(values)}
+
+
+def pd_descriptors(prefill_table: Sequence[int], decode_table: Sequence[int]) -> int:
+    """Descriptors of one prompt moved from its prefill-side table to its decode-side
+    table (P/D): NIXL merges two blocks only when the local and the remote addresses
+    are both adjacent and in the same order (vLLM PR #55841), so a descriptor is a
+    maximal run of positions in which both tables ascend by exactly 1. Null blocks
+    (id 0 on either side) are not transferred.
+
+    Raises:
+        ValueError: the tables differ in length (not the same prompt).
+    """
+    if len(prefill_table) != len(decode_table):
+        raise ValueError(f"P/D tables of different lengths ({len(prefill_table)} and {len(decode_table)})")
+    runs = 0
+    prev = None
+    for p, d in zip(prefill_table, decode_table):
+        if p == 0 or d == 0:
+            continue
+        if prev is None or p != prev[0] + 1 or d != prev[1] + 1:
+            runs += 1
+        prev = (p, d)
+    return runs
+

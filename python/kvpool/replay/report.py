@@ -281,6 +281,13 @@ def render_tables(report: dict[str, Any], console) -> None:
             modes, n, warm, console.width,
             "KV transfer: descriptors per prompt (runs of id+1, what NIXL posts; vLLM PR #55841), "
             "offloading copies per step (PR #35990)", cols))
+    if any("pd_descriptors_total" in x for r in modes.values() for x in r["rounds"]):
+        console.print(*_per_round(
+            modes, n, warm, console.width,
+            "P/D: descriptors per prompt moved prefill side -> decode side (runs where both ascend by 1), "
+            "and the prefill side's own", [("P/D median", "pd_descriptors_median", _count),
+                                           ("P/D total", "pd_descriptors_total", _count),
+                                           ("prefill total", "prefill_prompt_descriptors_total", _count)]))
     ref_mode = "vanilla" if "vanilla" in modes else next(iter(modes))
     console.print(_cache_table(modes, n, ref_mode))
     if wl.get("continuous"):

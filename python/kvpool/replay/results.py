@@ -81,7 +81,21 @@ class RoundResult:
     offload_copies_per_step_p90: int | None = None
     offload_copies_per_step_max: int | None = None
     offload_copies_total: int | None = None
-    #: ``--save-tables``: ``{"prompt": [...], "finished": [...]}``, one ``list[int]`` per request.
+    #: The P/D workload (``pd``) only: the prefill side's round (its own scheduler and
+    #: pool, the same requests to their first token) and the transfer between the two
+    #: sides: per prompt, runs in which both tables ascend by exactly 1 (vLLM PR #55841).
+    prefill_prompt_descriptors_median: int | None = field(default=None, metadata=_OPTIONAL)
+    prefill_prompt_descriptors_total: int | None = field(default=None, metadata=_OPTIONAL)
+    prefill_evictions: int | None = field(default=None, metadata=_OPTIONAL)
+    prefill_prefix_cache_hit_tokens: int | None = field(default=None, metadata=_OPTIONAL)
+    prefill_preemptions: int | None = field(default=None, metadata=_OPTIONAL)
+    prefill_leaked_blocks: int | None = field(default=None, metadata=_OPTIONAL)
+    pd_descriptors_median: int | None = field(default=None, metadata=_OPTIONAL)
+    pd_descriptors_p90: int | None = field(default=None, metadata=_OPTIONAL)
+    pd_descriptors_max: int | None = field(default=None, metadata=_OPTIONAL)
+    pd_descriptors_total: int | None = field(default=None, metadata=_OPTIONAL)
+    #: ``--save-tables``: ``{"prompt": [...], "finished": [...]}``, one ``list[int]`` per request
+    #: (P/D: also ``"prefill_prompt"``, the prefill side's prompt tables).
     tables: dict[str, list[list[int]]] | None = field(default=None, metadata=_OPTIONAL)
     #: The calls made before this round (rounds >= 1; the reorder in ``kvpool+reorder``).
     reset_ok: bool | None = field(default=None, metadata=_OPTIONAL)
@@ -196,6 +210,8 @@ class VersusVanilla:
     #: Total prompt descriptors / vanilla's, offloading copies / vanilla's.
     prompt_descriptors_ratio_vs_vanilla: float | None = field(default=None, metadata=_TRANSFER)
     offload_copies_ratio_vs_vanilla: float | None = field(default=None, metadata=_TRANSFER)
+    #: P/D workload only: ``pd_descriptors_total`` / vanilla's.
+    pd_descriptors_ratio_vs_vanilla: float | None = field(default=None, metadata={**_TRANSFER, **_OPTIONAL})
 
 
 @dataclass
@@ -219,6 +235,10 @@ class ModeComparison:
     prompt_descriptors_max: int | None = field(default=None, metadata=_TRANSFER)
     offload_copies_total: int | None = field(default=None, metadata=_TRANSFER)
     offload_blocks_per_copy: float | None = field(default=None, metadata=_TRANSFER)
+    #: P/D workload only: descriptors moved prefill -> decode over all rounds, and the
+    #: prefill side's own prompt descriptors.
+    pd_descriptors_total: int | None = field(default=None, metadata={**_TRANSFER, **_OPTIONAL})
+    prefill_prompt_descriptors_total: int | None = field(default=None, metadata={**_TRANSFER, **_OPTIONAL})
 
     def to_json(self) -> dict[str, Any]:
         added = [f for f in fields(self) if f.metadata.get("transfer")]
@@ -228,8 +248,10 @@ class ModeComparison:
         out.update((f.name, getattr(self.vs_vanilla, f.name)) for f in vs if not f.metadata.get("transfer"))
         if self.sched_cpu_ratio_vs_kvpool is not None:
             out["sched_cpu_ratio_vs_kvpool"] = self.sched_cpu_ratio_vs_kvpool
-        out.update((f.name, getattr(self, f.name)) for f in added)
-        out.update((f.name, getattr(self.vs_vanilla, f.name)) for f in vs if f.metadata.get("transfer"))
+        shown = [(f, getattr(self, f.name)) for f in added]
+        shown += [(f, getattr(self.vs_vanilla, f.name)) for f in vs if f.metadata.get("transfer")]
+        # (an optional field, the P/D ones, only when set)
+        out.update((f.name, v) for f, v in shown if v is not None or not f.metadata.get("optional"))
         return out
 
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from kvpool.replay import metrics
 from kvpool.replay import modes as _modes
 from kvpool.replay.engine import PoolSpec, build_scheduler
 from kvpool.replay.loop import run_round, run_stream
@@ -97,26 +98,61 @@ def run_mode(mode: str | Mode, workload: Workload, pool: PoolSpec, seed: int,
     _modes.set_mode(mode)
     wall0 = time.perf_counter()
     _warmup(workload, pool, seed)
+    prefill_rounds = None
+    if workload.prefill is not None:  # P/D: the prefill side first, on its own pool
+        side = _modes.build_for_mode(mode, lambda: build_scheduler(workload.prefill, pool))
+        side_reorder = _modes.reorder_api(side)[0] if mode.reorder else None
+        prefill_rounds = _run_rounds(mode, workload.prefill, pool, seed, side, side_reorder, None, True)
     scheduler = _modes.build_for_mode(mode, lambda: build_scheduler(workload, pool))
     reorder, reorder_name = _modes.reorder_api(scheduler) if mode.reorder else (None, None)
     info = _mode_info(mode, scheduler, pool, reorder_name)
-    probe = RoundProbe(scheduler)
     if workload.continuous:
         rounds, info.drain = run_stream(
-            scheduler, probe, workload, seed, pool,
+            scheduler, RoundProbe(scheduler), workload, seed, pool,
             on_round=None if on_round is None else (lambda rnd: on_round(mode.name, rnd)),
             save_tables=save_tables,
         )
     else:
-        rounds: list[RoundResult] = []
-        for rnd in range(workload.num_rounds):
-            between = _between_rounds(scheduler, reorder) if rnd > 0 else {}
-            result = run_round(scheduler, probe, workload, rnd, seed, pool, save_tables=save_tables)
-            rounds.append(replace(result, **between))
-            if on_round is not None:
-                on_round(mode.name, rnd)
+        rounds = _run_rounds(mode, workload, pool, seed, scheduler, reorder, on_round,
+                             save_tables or prefill_rounds is not None)
+    if prefill_rounds is not None:
+        rounds = [_with_prefill_side(d, p, save_tables) for d, p in zip(rounds, prefill_rounds)]
     info.wall_s = time.perf_counter() - wall0
     return ModeResult(info=info, rounds=rounds)
+
+
+def _run_rounds(mode: Mode, workload: Workload, pool: PoolSpec, seed: int, scheduler,
+                reorder: Callable[[], bool] | None, on_round: Callable[[str, int], None] | None,
+                save_tables: bool) -> list[RoundResult]:
+    """Every round of a (not continuous) workload on ``scheduler``."""
+    probe = RoundProbe(scheduler)
+    rounds: list[RoundResult] = []
+    for rnd in range(workload.num_rounds):
+        between = _between_rounds(scheduler, reorder) if rnd > 0 else {}
+        result = run_round(scheduler, probe, workload, rnd, seed, pool, save_tables=save_tables)
+        rounds.append(replace(result, **between))
+        if on_round is not None:
+            on_round(mode.name, rnd)
+    return rounds
+
+
+def _with_prefill_side(decode: RoundResult, prefill: RoundResult, save_tables: bool) -> RoundResult:
+    """The decode side's round with the prefill side's figures and the P/D transfer's:
+    each request's prompt table on both sides (the same requests, in request order)."""
+    p_tables, d_tables = prefill.tables["prompt"], decode.tables["prompt"]
+    if len(p_tables) != len(d_tables):
+        raise RuntimeError(f"round {decode.round}: {len(p_tables)} prefill-side prompts, {len(d_tables)} decode-side")
+    pd = metrics.spread([metrics.pd_descriptors(p, d) for p, d in zip(p_tables, d_tables)])
+    return replace(
+        decode,
+        prefill_prompt_descriptors_median=prefill.prompt_descriptors_median,
+        prefill_prompt_descriptors_total=prefill.prompt_descriptors_total,
+        prefill_evictions=prefill.evictions, prefill_prefix_cache_hit_tokens=prefill.prefix_cache_hit_tokens,
+        prefill_preemptions=prefill.preemptions, prefill_leaked_blocks=prefill.leaked_blocks,
+        pd_descriptors_median=pd["median"], pd_descriptors_p90=pd["p90"], pd_descriptors_max=pd["max"],
+        pd_descriptors_total=pd["total"],
+        tables={**decode.tables, "prefill_prompt": p_tables} if save_tables else None,
+    )
 
 
 def run_replay(workload: Workload, pool: PoolSpec, modes: tuple[str, ...] = _modes.MODES, seed: int = 0,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -91,6 +91,9 @@ class Workload:
     #: run and no reset runs between rounds (``serving``, traces without ``round``).
     continuous: bool = False
     window_steps: int = 0
+    #: A P/D workload (``pd``): the prefill side, the same requests to their first token
+    #: on a scheduler and pool of its own; this workload is the decode side.
+    prefill: Workload | None = None
 
     @property
     def num_rounds(self) -> int:
@@ -121,6 +124,8 @@ class Workload:
         if self.continuous:
             out["continuous"] = True
             out["window_steps"] = self.window_steps
+        if self.prefill is not None:
+            out["prefill_engine"] = asdict(self.prefill.engine)
         return out
 
 
@@ -282,6 +287,25 @@ def pd_async(
             "seed": seed,
         },
     )
+
+
+def pd(**kwargs: Any) -> Workload:
+    """Both sides of a prefill/decode-disaggregated deployment: the decode side is
+    :func:`pd_async` (same arguments), the prefill side (``Workload.prefill``) the same
+    requests to their first token (``max_tokens=1``, as vLLM's P/D proxy sends them) on
+    a scheduler and pool of its own, prefix caching and chunked prefill on, no connector.
+    Each prompt's KV moves from its prefill-side table to its decode-side table: one
+    descriptor per run in which both ascend together (docs/replay.md, "P/D")."""
+    decode = pd_async(**kwargs)
+    max_model_len = decode.max_model_len()
+    decode = replace(decode, name="pd", engine=replace(decode.engine, max_model_len=max_model_len),
+                     description="P/D, both sides: " + decode.description)
+    prefill_engine = EngineSpec(enable_prefix_caching=True, enable_chunked_prefill=True,
+                                max_num_batched_tokens=8192, max_model_len=max_model_len)
+    decode.prefill = replace(decode, name="pd-prefill", engine=prefill_engine,
+                             requests=[replace(r, output_len=1) for r in decode.requests],
+                             description="P/D prefill side: the requests to their first token")
+    return decode
 
 
 #: Engine of continuous (serving) workloads: chunked prefill with vLLM's usual
@@ -447,4 +471,4 @@ def serving(
     )
 
 
-WORKLOADS = {"grpo": grpo, "long-sequential": long_sequential, "pd-async": pd_async, "serving": serving}
+WORKLOADS = {"grpo": grpo, "long-sequential": long_sequential, "pd-async": pd_async, "pd": pd, "serving": serving}
