@@ -136,7 +136,8 @@ class FreeBlockList {
   // contains() without the range check; `slot` must be in [0, capacity).
   bool contains_unchecked(int32_t slot) const { return prev_[slot + kFirst] >= 0; }
   // Slots ever put into the list (a counter that only grows): a caller that ran
-  // foreign code can tell whether anything was freed in the meantime.
+  // foreign code can tell whether anything was freed in the meantime. Moves of free
+  // slots (make_uncached, the canonical relinks, restore_lru_front) are not counted.
   uint64_t insertions() const { return insertions_; }
   // Per slot, a value >= 0 exactly when the slot is free (its prev link): for loops
   // that test many slots. Valid until the capacity changes (grow).
@@ -194,6 +195,8 @@ class FreeBlockList {
     return k;
   }
   void restore_lru_front(const int32_t* slots, int32_t n) noexcept {
+    if (order_ != kContiguous) return;  // (foreign code switched the order meanwhile)
+    const uint64_t inserted = insertions_;  // moves, not frees: not counted
     int32_t last = lru_anchor();
     for (int32_t i = 0; i < n; ++i) {
       int32_t s = slots[i];
@@ -202,6 +205,7 @@ class FreeBlockList {
       link_run_after(last, &s, 1);
       last = s + kFirst;
     }
+    insertions_ = inserted;
   }
   // Undo a take()/popleft_n: link slots back where they were taken from, uncached ones
   // at their sorted place and LRU ones, in the given order, at the LRU segment's
@@ -216,8 +220,10 @@ class FreeBlockList {
   // sorted place (its caller knows it holds no cached data anyone can hit).
   void make_uncached(int32_t slot) {
     check_free(slot);
+    const uint64_t inserted = insertions_;  // a move, not a free: not counted
     unlink_one(slot);
     insert_uncached(&slot, 1);
+    insertions_ = inserted;
   }
   // kContiguous: the tables' extent reservations (cpp/extent_reservations.h); empty
   // in the other orders.
@@ -880,10 +886,12 @@ inline std::vector<int32_t> FreeBlockList::uncached_canonical_order(const std::v
 
 inline void FreeBlockList::link_uncached_canonical(const std::vector<int32_t>& order,
                                                    size_t num_uncached) noexcept {
+  const uint64_t inserted = insertions_;  // a relink of the free slots, not a free
   next_[kHead] = kTail;
   prev_[kTail] = kHead;
   size_ = 0;
   link_run_after(kHead, order.data(), static_cast<int32_t>(order.size()));
+  insertions_ = inserted;
   if (order_ == kContiguous) {
     uncached_.clear();
     for (size_t i = 0; i < num_uncached; ++i) uncached_.set(order[i]);

@@ -28,6 +28,7 @@ so this module names every ``KVPOOL_*`` variable of the project.
 from __future__ import annotations
 
 import math
+import operator
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -226,9 +227,13 @@ def check_argument(name: str, value: Any) -> Any:
         return None
     if var.kind == "switch" and isinstance(value, bool):
         return value
-    if var.kind == "blocks" and isinstance(value, int) and not isinstance(value, bool):
-        if 0 <= value < 2**31:
-            return value
+    if var.kind == "blocks" and not isinstance(value, (bool, str)) and hasattr(type(value), "__index__"):
+        try:
+            blocks = operator.index(value)  # an int, numpy's integers
+        except Exception:  # noqa: BLE001 - a broken __index__ is a bad value
+            blocks = -1
+        if 0 <= blocks < 2**31:
+            return blocks
         raise InvalidSettingError(var.argument or name, value, var.accepted(argument=True))
     try:
         parsed = var.parse(value)
@@ -291,6 +296,13 @@ def effective(arguments: Mapping[str, Any] | None = None,
             continue
         source = "environment" if raw is not None and raw.strip() else "default"
         out.append(Setting(name, value, source, raw))
+    # The one combination rule: an LRU window needs the contiguous policy (as install()).
+    rows = {r.name: i for i, r in enumerate(out)}
+    window, policy = out[rows[LRU_WINDOW]], out[rows[ALLOCATION]]
+    if window.value and policy.value != "contiguous" and policy.source != "invalid":
+        out[rows[LRU_WINDOW]] = Setting(
+            LRU_WINDOW, None, "invalid", window.raw,
+            f"{LRU_WINDOW}={window.value!r} needs {ALLOCATION}=contiguous (allocation is {policy.value!r})")
     return out
 
 

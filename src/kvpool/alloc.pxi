@@ -73,8 +73,8 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
         # The policy chooses the blocks and unlinks them at once; then the same
         # common case as below, over the chosen blocks.
         placement.reserve(n)
-        if queue._lru_window > 0:
-            lru_front.resize(n + queue._lru_window)
+        if queue._lru_window > 0:  # (at most the free blocks: the window is clamped)
+            lru_front.resize(min(<Py_ssize_t>n + queue._lru_window, <Py_ssize_t>queue._list.size()))
             nfront = queue._list.lru_front_slots(<int32_t>lru_front.size(), lru_front.data())
         extents_before = queue._list.num_extents(owner) if owner > 0 else 0
         uncached = queue._list.take(<int32_t>n, hint, owner, want, popped.data(),
@@ -174,7 +174,8 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
             nback += 1
         if nback:
             queue._list.reinsert_front(popped.data(), <int32_t>nback)
-        if nfront and not queue_changed:  # the LRU window took from inside the front
+        if nfront and not queue_changed and queue._list.order() == ORDER_CONTIGUOUS:
+            # the LRU window took from inside the front
             queue._list.restore_lru_front(lru_front.data(), nfront)
         if owner > 0 and queue._list.order() == ORDER_CONTIGUOUS:
             queue._list.truncate_extents(owner, extents_before)  # the extent this call reserved

@@ -282,8 +282,8 @@ cdef class FreeKVCacheBlockQueue:
             hint, owner, want = self._plan_hint, self._plan_owner, self._plan_want
             self._plan_hint, self._plan_owner, self._plan_want = -1, 0, 0
             extents_before = self._list.num_extents(owner) if owner > 0 else 0
-            if self._lru_window > 0:
-                lru_front.resize(n + self._lru_window)
+            if self._lru_window > 0:  # (at most the free blocks: the window is clamped)
+                lru_front.resize(min(<Py_ssize_t>n + self._lru_window, <Py_ssize_t>self._list.size()))
                 nfront = self._list.lru_front_slots(<int32_t>lru_front.size(), lru_front.data())
             self._last_take_uncached = self._list.take(n, hint, owner, want, slots.data(),
                                                       self._lru_window)
@@ -305,7 +305,8 @@ cdef class FreeKVCacheBlockQueue:
                     nback += 1
             if nback:
                 self._list.reinsert_front(slots.data(), <int32_t>nback)
-            if nfront and nback == n:  # the LRU window took from inside the front
+            if nfront and nback == n and self._list.order() == ORDER_CONTIGUOUS:
+                # the LRU window took from inside the front
                 self._list.restore_lru_front(lru_front.data(), nfront)
             if self._list.order() == ORDER_CONTIGUOUS and owner > 0:
                 self._list.truncate_extents(owner, extents_before)

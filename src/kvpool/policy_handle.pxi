@@ -151,14 +151,19 @@ cdef class FreeQueuePolicy:
         vLLM's."""
         return self._queue._lru_window
 
-    def set_lru_window(self, int32_t blocks):
-        """Set :attr:`lru_window` (blocks >= 0).
+    def set_lru_window(self, blocks):
+        """Set :attr:`lru_window` (blocks: an int >= 0 and < 2**31).
 
         Raises:
-            ValueError: ``blocks`` negative, or the queue is not in the contiguous order.
+            TypeError: ``blocks`` is not an integer (a bool or a float is not).
+            ValueError: ``blocks`` out of range, or > 0 while the queue is not in the
+                contiguous order.
         """
-        if blocks < 0:
-            raise ValueError(f"lru_window must be >= 0 blocks, got {blocks}")
+        if isinstance(blocks, (bool, float)):
+            raise TypeError(f"lru_window takes a whole number of blocks, got {blocks!r}")
+        blocks = _index(blocks)
+        if not 0 <= blocks < 2**31:
+            raise ValueError(f"lru_window must be >= 0 and < 2**31 blocks, got {blocks}")
         if blocks and self._queue._list.order() != ORDER_CONTIGUOUS:
             raise ValueError("an LRU window needs the contiguous order (allocation=\"contiguous\")")
         self._queue._lru_window = blocks

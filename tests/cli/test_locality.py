@@ -179,6 +179,28 @@ def test_transfer_phase_refuses_copies_that_misplace_blocks(monkeypatch):
                          warmup=0, reps=1)
 
 
+@pytest.mark.parametrize("content,args,message", [
+    (None, ["--max-prompts", "-1"], "whole number >= 0"),
+    (None, ["--layers", "0"], "integer >= 1"),
+    ("{not json", [], "not JSON"),
+    ("[1, 2]", [], "neither a replay report"),
+    ('{"format": "kvpool-replay-prompt-tables/1", "modes": {"x": {"rounds": {"4": [[[1000000000, 1]]]}}}}',
+     [], "block id 1000000000"),
+    ('{"format": "kvpool-replay-prompt-tables/1"}', [], "malformed"),
+])
+def test_transfer_phase_bad_input_is_a_one_line_error(tmp_path, capsys, content, args, message):
+    from kvpool.locality import transfer
+
+    if content is not None:
+        (tmp_path / "t.json").write_text(content)
+        args = [*args, "--tables", str(tmp_path / "t.json")]
+    with pytest.raises(SystemExit) as exc:
+        transfer.main(["--device", "cpu", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 def test_transfer_extract_keeps_the_post_wrap_prompt_tables(tmp_path):
     from kvpool.locality import transfer
 

@@ -98,6 +98,22 @@ def test_lru_window_is_installed_with_the_contiguous_policy_only(monkeypatch):
     assert BlockPool(64, enable_caching=True, hash_block_size=16).free_block_queue.policy.lru_window == 0
 
 
+def test_lru_window_takes_integers_of_any_kind_and_info_checks_the_combination(monkeypatch):
+    import numpy as np
+
+    from kvpool import allocation, info
+
+    assert envs.check_argument(envs.LRU_WINDOW, np.int64(3)) == 3
+    assert allocation.resolve_lru_window(np.int32(8), "contiguous") == 8
+    monkeypatch.setenv(envs.LRU_WINDOW, "5")
+    monkeypatch.delenv(envs.ALLOCATION, raising=False)
+    row = {r.name: r for r in info.settings()}[envs.LRU_WINDOW]
+    assert row.source == "invalid" and "needs KVPOOL_ALLOCATION=contiguous" in row.error
+    monkeypatch.setenv(envs.ALLOCATION, "contiguous")
+    row = {r.name: r for r in info.settings()}[envs.LRU_WINDOW]
+    assert (row.value, row.source) == (5, "environment")
+
+
 @pytest.mark.parametrize("kwargs,exc,match", [
     ({"allocation": "contiguous", "lru_window": -1}, ValueError, r"lru_window=-1 .*whole number"),
     ({"allocation": "contiguous", "lru_window": 2.0}, ValueError, r"lru_window=2.0"),

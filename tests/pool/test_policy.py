@@ -300,3 +300,63 @@ def test_a_free_that_raises_counts_no_table_pair():
     assert pool.free_block_queue.table_counters() == (1, 0, 0, 0)
     pool.free_blocks(reversed(blocks[:5]))
     assert pool.free_block_queue.table_counters(reset=True) == (6, 4, 4, 0)
+
+
+def _cached_contiguous_pool(lru_window: int, num_blocks: int = 16):
+    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+    allocation.set_policy("contiguous", lru_window)
+    try:
+        pool = BlockPool(num_blocks, enable_caching=True, hash_block_size=16)
+    finally:
+        allocation.set_policy("vllm")
+    blocks = pool.get_new_blocks(num_blocks - 1)
+    for i, block in enumerate(blocks):
+        block._block_hash = make_block_hash_with_group_id(BlockHash(b"h%d" % i), 0)
+        pool.cached_block_hash_to_block.insert(block.block_hash, block)
+    pool.free_blocks(blocks)  # every block cached, in the LRU segment
+    return pool
+
+
+@pytest.mark.parametrize("lru_window", [0, 2])
+@pytest.mark.parametrize("meddle", ["set_order", "rebuild", "evict_all"])
+def test_a_raising_eviction_hook_that_rearranges_the_queue_loses_no_block(lru_window, meddle):
+    """Hostile eviction callbacks (found by a breaker run): one that switches the queue's
+    order then raises (crashed the LRU window's undo), and ones that only relink free
+    blocks then raise (their moves were counted as frees, so the undo kept the popped
+    blocks out). Every block ends free, once."""
+    pool = _cached_contiguous_pool(lru_window)
+    queue = pool.free_block_queue
+
+    def hook(block):
+        if meddle == "set_order":
+            queue.policy.set_order("vllm")
+        elif meddle == "rebuild":
+            queue.policy.rebuild_uncached_canonical()
+        else:  # (with vLLM's own eviction callback meanwhile)
+            del pool._maybe_evict_cached_block
+            pool.evict_blocks(set(range(1, pool.num_gpu_blocks)))
+            pool._maybe_evict_cached_block = hook
+        raise RuntimeError("hook")
+
+    pool._maybe_evict_cached_block = hook
+    with pytest.raises(RuntimeError, match="hook"):
+        pool.get_new_blocks(4)
+    del pool._maybe_evict_cached_block
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    assert sorted(queue.free_block_ids()) == list(range(1, pool.num_gpu_blocks))
+    assert all(pool.blocks[i].ref_cnt == 0 for i in range(1, pool.num_gpu_blocks))
+    queue.check_invariants()
+
+
+def test_lru_window_handle_takes_whole_numbers_only():
+    queue = _cached_contiguous_pool(0).free_block_queue
+    for bad in (1.5, True, "3"):
+        with pytest.raises(TypeError):
+            queue.policy.set_lru_window(bad)
+    for bad in (-1, 2**31):
+        with pytest.raises(ValueError, match="lru_window"):
+            queue.policy.set_lru_window(bad)
+    queue.policy.set_lru_window(2**31 - 1)  # clamped where it is used, allocates nothing big
+    assert queue.policy.lru_window == 2**31 - 1
+    assert len(queue.popleft_n(3)) == 3

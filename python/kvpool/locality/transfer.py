@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvpool import cliargs
 from kvpool.locality.replay_tables import decode_runs, encode_runs
 
 FORMAT = "kvpool-replay-prompt-tables/1"
@@ -96,13 +97,23 @@ def load(path: str | Path = DEFAULT_PATH) -> tuple[dict[str, list[list[int]]], d
     Raises:
         OSError: unreadable file. ValueError: neither format, or no tables.
     """
-    data = json.loads(Path(path).read_text())
-    if data.get("format") != FORMAT:
-        if "modes" not in data:
-            raise ValueError(f"{path}: neither a replay report nor a {FORMAT} file")
-        data = extract(data)
-    tables = {mode: [decode_runs(t) for r in sorted(e["rounds"], key=int) for t in e["rounds"][r]]
-              for mode, e in data["modes"].items()}
+    try:
+        data = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    if not isinstance(data, dict) or (data.get("format") != FORMAT and "modes" not in data):
+        raise ValueError(f"{path}: neither a replay report nor a {FORMAT} file")
+    try:
+        if data.get("format") != FORMAT:
+            data = extract(data)
+        tables = {mode: [decode_runs(t) for r in sorted(e["rounds"], key=int) for t in e["rounds"][r]]
+                  for mode, e in data["modes"].items()}
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: a malformed {FORMAT} file ({type(e).__name__}: {e})") from None
+    for mode, ts in tables.items():  # block ids: rows of a pool (up to 2**24 blocks here)
+        bad = next((b for t in ts for b in t if not isinstance(b, int) or not 0 <= b < 2**24), None)
+        if bad is not None:
+            raise ValueError(f"{path}: mode {mode} has block id {bad!r} (expected ints in [0, 2**24))")
     return tables, data.get("source", {})
 
 
@@ -188,6 +199,16 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvpool.locality.transfer", description=__doc__.split("\n\n")[0])
     p.add_argument("--tables", metavar="PATH", help="compact recording or replay report (default: the shipped one)")
@@ -195,8 +216,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="write the compact recording of a `replay --save-tables` report and exit")
     p.add_argument("--modes", help="comma-separated modes (default: every recorded mode)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    for name in ("layers", "block-size", "num-kv-heads", "head-size", "warmup", "reps", "max-prompts"):
-        p.add_argument(f"--{name}", type=int, help="(default per device: see kvpool.locality.transfer.DEFAULTS)")
+    for name in ("layers", "block-size", "num-kv-heads", "head-size", "reps"):
+        p.add_argument(f"--{name}", type=cliargs.positive_int,
+                       help="(default per device: see kvpool.locality.transfer.DEFAULTS)")
+    for name in ("warmup", "max-prompts"):
+        p.add_argument(f"--{name}", type=_non_negative_int, help="(default per device; max-prompts 0: all)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
@@ -206,11 +230,20 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.extract[1]).write_text(json.dumps(data, separators=(",", ":")) + "\n")
         print(f"wrote {args.extract[1]} ({Path(args.extract[1]).stat().st_size / 1e3:.0f} kB)", file=sys.stderr)
         return 0
-    import torch
-
+    try:
+        import torch
+    except ImportError:
+        p.error("the transfer phase needs torch (pip install torch)")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device")
     opts = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in DEFAULTS[device].items()}
-    tables, source = load(args.tables or DEFAULT_PATH)
+    try:
+        tables, source = load(args.tables or DEFAULT_PATH)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    if modes is not None and (not all(modes) or len(set(modes)) != len(modes)):
+        p.error(f"--modes: expected distinct comma-separated mode names, got {args.modes!r}")
     if modes:
         missing = [m for m in modes if m not in tables]
         if missing:

@@ -43,10 +43,12 @@ def _known_mode(name: str) -> bool:
 
 
 def _modes(text: str) -> tuple[str, ...]:
-    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    modes = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))  # (once each)
     bad = [m for m in modes if not _known_mode(m)]
     if bad or not modes:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {bad}; choose from {','.join(MODES)}")
+        what = f"unknown mode(s) {bad}" if bad else f"no mode in {text!r}"
+        raise argparse.ArgumentTypeError(
+            f"{what}; choose from {','.join(MODES)} or kvpool+contiguous+wW (W blocks > 0)")
     return modes
 
 
