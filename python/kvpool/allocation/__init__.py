@@ -14,8 +14,9 @@ and for ``install()`` without the argument):
 * ``"contiguous"`` (:mod:`kvpool.allocation.contiguous`): the *uncached* free blocks are
   kept sorted and served by position with per-request extents; the *LRU* segment keeps
   vLLM's exact order. Which cached blocks are hit or evicted, in which order, the KV
-  events and the preemptions are vLLM's; only the ids of uncached allocations differ
-  (docs/design.md, "Allocation policies"). It is the one policy that needs the
+  events and the preemptions are vLLM's; only the ids of uncached allocations differ,
+  and where the evicted blocks sit in the table (ascending by id; docs/design.md,
+  "Allocation policies"). It is the one policy that needs the
   single-type managers' hooks (:mod:`kvpool.patches.manager_hooks`). Its one knob,
   ``lru_window`` (``install(allocation="contiguous", lru_window=W)`` /
   ``KVPOOL_LRU_WINDOW``, default 0 = exact), is an opt-in, bounded relaxation of

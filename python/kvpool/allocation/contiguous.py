@@ -6,7 +6,8 @@ vLLM's free queue) are kept sorted and served by position; the *LRU* segment (fr
 with a hash, or released by ``unpin_blocks``) keeps vLLM's exact order and is reached
 only when no uncached block is left, as in vLLM. Which cached blocks are hit or
 evicted, in which order, the KV events and the preemptions are therefore vLLM's; only
-the ids of uncached allocations differ (docs/design.md, "Allocation policies"). Blocks
+the ids of uncached allocations differ, and where the evicted blocks sit in the table
+(below; docs/design.md, "Allocation policies"). Blocks
 that stop being cached join the sorted segment where vLLM would serve them at the same
 moment anyway: every free block after a successful ``reset_prefix_cache()``, and the
 LRU segment's leading blocks without a hash or a reuse watcher.
