@@ -237,8 +237,15 @@ class BlockPool(VllmBlockPool):
             handle = self._policy.queue_policy(self)  # (allocates nothing once made)
             if owner:
                 handle.set_plan(hint, owner, want)
+            seq = handle.pop_seq + 1  # the popleft_n vLLM's loop is about to make
             try:
                 blocks = VllmBlockPool.get_new_blocks(self, num_blocks)
+            except BaseException:
+                # vLLM's loop has no undo: a callback that raised (an eviction hook, a
+                # reuse watcher, the metrics collector) would leave its popped blocks
+                # neither free nor held. Put them back as the native loop does.
+                handle.undo_pop(seq)
+                raise
             finally:
                 if owner:
                     handle.set_plan(-1, 0, 0)

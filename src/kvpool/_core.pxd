@@ -1,5 +1,5 @@
 # C-level declarations of kvpool's extension types, for other Cython modules.
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 from libcpp.vector cimport vector
 from cpython.ref cimport PyObject
 
@@ -48,6 +48,11 @@ cdef class FreeKVCacheBlockQueue:
     cdef int32_t _plan_want
     # How many blocks the last contiguous take() found uncached (the rest: the LRU's).
     cdef int32_t _last_take_uncached
+    # The last popleft_n: its slots, the insertion count after it, and a counter of
+    # popleft_n calls (policy.undo_pop: the undo of vLLM's own allocation loop).
+    cdef vector[int32_t] _last_pop
+    cdef uint64_t _last_pop_insertions
+    cdef uint64_t _pop_seq
     # The contiguous order's opt-in LRU window (blocks; 0: vLLM's exact LRU).
     cdef int32_t _lru_window
     cdef vector[int32_t] _scratch

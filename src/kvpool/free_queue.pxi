@@ -277,6 +277,7 @@ cdef class FreeKVCacheBlockQueue:
             raise ValueError(f"cannot pop {n} blocks: only {self._list.size()} free")
         slots.resize(n)
         refs.resize(n)
+        self._last_pop.reserve(n)  # (its record below then allocates nothing)
         if self._list.order() == ORDER_CONTIGUOUS:
             # The policy's choice (for the table policy.set_plan named, if any).
             hint, owner, want = self._plan_hint, self._plan_owner, self._plan_want
@@ -313,6 +314,11 @@ cdef class FreeKVCacheBlockQueue:
             raise
         for i in range(n):
             kvpool_list_items(<PyObject*>out)[i] = refs[i]  # the list takes the reference
+        self._last_pop.resize(n)  # within the reserved capacity
+        for i in range(n):
+            self._last_pop[i] = slots[i]
+        self._last_pop_insertions = self._list.insertions()
+        self._pop_seq += 1
         return out
 
     cdef int _collect_slots(self, object blocks, vector[int32_t]& slots, str op) except -1:

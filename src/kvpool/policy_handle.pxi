@@ -143,6 +143,57 @@ cdef class FreeQueuePolicy:
                         slots[k - 1] + 1 if k > 0 else hint, scratch)
 
     @property
+    def pop_seq(self):
+        """How many ``popleft_n`` calls this queue has served (for :meth:`undo_pop`)."""
+        return self._queue._pop_seq
+
+    def undo_pop(self, seq):
+        """Put back the blocks of the queue's last ``popleft_n`` after the allocation
+        loop around it failed (vLLM's own ``BlockPool.get_new_blocks``, which kvpool runs
+        when callbacks must see every block, has no undo), if that call was the
+        ``seq``-th (:attr:`pop_seq`; a nested ``popleft_n`` from a callback makes the
+        record someone else's, and nothing is done). A popped block still off the free
+        list goes back, at the front in its old order (uncached ones at their sorted
+        places), when its ``ref_cnt`` is 0, or 1 and nothing was freed into the queue
+        since (then the 1 is the loop's). Evictions already done stay done, as in the
+        native loop's undo. Never raises (it runs while an exception propagates).
+
+        Returns:
+            the number of blocks put back (0 when the record is not that call's).
+        """
+        cdef FreeKVCacheBlockQueue queue = self._queue
+        cdef vector[int32_t] back
+        cdef int32_t slot
+        cdef long refs
+        cdef bint changed
+        cdef kvpool_refbatch rb
+        if not isinstance(seq, int) or queue._pop_seq != seq:
+            return 0
+        queue._pop_seq += 1  # (the record is used once)
+        changed = queue._list.insertions() != queue._last_pop_insertions
+        try:
+            back.reserve(queue._last_pop.size())
+        except MemoryError:
+            return 0
+        kvpool_refbatch_init(&rb)
+        for slot in queue._last_pop:
+            if slot < 0 or slot >= PyList_GET_SIZE(queue._blocks) or queue._list.contains(slot):
+                continue
+            o = <object>PyList_GET_ITEM(queue._blocks, slot)
+            if not isinstance(o, KVCacheBlock) or not _read_refs(<PyObject*>o, &refs):
+                continue
+            if refs == 1 and not changed:
+                if _put_refs(<PyObject*>o, 0, &rb) != E_NONE:
+                    continue
+            elif refs != 0:
+                continue
+            back.push_back(slot)
+        if back.size():
+            queue._list.reinsert_front(back.data(), <int32_t>back.size())
+        _flush(&rb)
+        return back.size()
+
+    @property
     def lru_window(self):
         """The contiguous order's LRU window (blocks; 0, the default: vLLM's exact
         LRU). With W > 0 an allocation that must evict first takes the blocks that

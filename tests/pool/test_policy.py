@@ -360,3 +360,53 @@ def test_lru_window_handle_takes_whole_numbers_only():
     queue.policy.set_lru_window(2**31 - 1)  # clamped where it is used, allocates nothing big
     assert queue.policy.lru_window == 2**31 - 1
     assert len(queue.popleft_n(3)) == 3
+
+
+class _RaisingCollector:
+    """vLLM's KV cache metrics collector interface; raises on the third allocation."""
+
+    def __init__(self):
+        self.allocated = 0
+
+    def on_block_allocated(self, block):
+        self.allocated += 1
+        if self.allocated == 3:
+            raise RuntimeError("collector")
+
+    def on_block_accessed(self, block):
+        pass
+
+    def on_block_evicted(self, block):
+        pass
+
+    def reset(self):
+        pass
+
+
+@pytest.mark.parametrize("policy", ["vllm", "contiguous"])
+def test_vllm_s_own_loop_that_raises_gives_its_popped_blocks_back(policy):
+    """With a metrics collector kvpool runs vLLM's own allocation loop (every callback
+    sees every block), which has no undo: a raising callback used to leave the popped
+    blocks neither free nor held. kvpool puts them back, in their old order."""
+    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+    allocation.set_policy(policy)
+    try:
+        pool = BlockPool(32, enable_caching=True, hash_block_size=16, metrics_collector=_RaisingCollector())
+    finally:
+        allocation.set_policy("vllm")
+    pool.metrics_collector.allocated = -10**6  # (the set-up's allocations never raise)
+    blocks = pool.get_new_blocks(31)
+    for i, block in enumerate(blocks[:20]):
+        block._block_hash = make_block_hash_with_group_id(BlockHash(b"m%d" % i), 0)
+        pool.cached_block_hash_to_block.insert(block.block_hash, block)
+    pool.free_blocks(blocks[::2] + blocks[1::2][::-1])
+    pool.metrics_collector.allocated = 0
+    queue = pool.free_block_queue
+    before = queue.free_block_ids()
+    with pytest.raises(RuntimeError, match="collector"):
+        pool.get_new_blocks(6)
+    assert queue.free_block_ids() == before
+    assert all(pool.blocks[i].ref_cnt == 0 for i in range(1, 32))
+    queue.check_invariants()
+    assert queue.policy.undo_pop(queue.policy.pop_seq) == 0  # the record is used once
