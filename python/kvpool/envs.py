@@ -158,8 +158,8 @@ VARIABLES: dict[str, Variable] = {
                  "allocation policy of kvpool's pools: vllm (vLLM's exact order) or contiguous",
                  choices=ALLOCATION_POLICIES, argument="allocation"),
         Variable(LRU_WINDOW, "blocks", 0,
-                 "contiguous policy: an allocation that must evict may take, among the W oldest "
-                 "evictable blocks, those that continue its table (0: vLLM's exact LRU)",
+                 "contiguous policy: an allocation taking m LRU blocks may take any m of the m + W "
+                 "oldest when that makes fewer runs of consecutive ids (0: vLLM's exact LRU)",
                  argument="lru_window"),
         Variable(REORDER_ON_RESET, "switch", False,
                  "every successful reset_prefix_cache() also restores the canonical free-queue order"),

@@ -190,11 +190,11 @@ def install(*, force: bool = False, allocation: str | None = None, lru_window: i
         allocation: the allocation policy of the pools built from now on:
             ``"vllm"`` (vLLM's exact order) or ``"contiguous"`` (opt-in, see
             :mod:`kvpool.allocation`); None: ``$KVPOOL_ALLOCATION``, else ``"vllm"``.
-        lru_window: with ``allocation="contiguous"``: blocks; an allocation that must
-            evict may first take, among the ``lru_window`` oldest evictable blocks,
-            those that continue its table (opt-in: which cached blocks are evicted
-            then differs from vLLM's); None: ``$KVPOOL_LRU_WINDOW``, else 0 (vLLM's
-            exact LRU).
+        lru_window: with ``allocation="contiguous"``: blocks W; an allocation that
+            takes m blocks from the LRU segment may take any m of its m + W oldest
+            when that makes fewer runs of consecutive ids (opt-in: which cached
+            blocks are evicted then differs from vLLM's); None:
+            ``$KVPOOL_LRU_WINDOW``, else 0 (vLLM's exact LRU).
 
     Returns:
         True if this call installed kvpool, False if it already was.

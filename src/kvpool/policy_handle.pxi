@@ -196,8 +196,8 @@ cdef class FreeQueuePolicy:
     @property
     def lru_window(self):
         """The contiguous order's LRU window (blocks; 0, the default: vLLM's exact
-        LRU). With W > 0 an allocation that must evict first takes the blocks that
-        continue its table when they are among the W oldest evictable blocks
+        LRU). With W > 0 an allocation that takes m blocks from the LRU segment may
+        take any m of its m + W oldest when that makes fewer runs of consecutive ids
         (``FreeBlockList::take``); which cached blocks are evicted then differs from
         vLLM's."""
         return self._queue._lru_window

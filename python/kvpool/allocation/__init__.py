@@ -20,8 +20,8 @@ and for ``install()`` without the argument):
   single-type managers' hooks (:mod:`kvpool.patches.manager_hooks`). Its one knob,
   ``lru_window`` (``install(allocation="contiguous", lru_window=W)`` /
   ``KVPOOL_LRU_WINDOW``, default 0 = exact), is an opt-in, bounded relaxation of
-  vLLM's LRU: an allocation that must evict may first take, among the W oldest
-  evictable blocks, those that continue its table.
+  vLLM's LRU: an allocation that takes m blocks from the LRU segment may take any m
+  of its m + W oldest when that makes fewer runs of consecutive ids.
 
 The interface every policy implements is :class:`~kvpool.allocation.base.AllocationPolicy`;
 ``BlockPool`` calls its hooks unconditionally (the null policy's do nothing).

@@ -68,9 +68,9 @@ class ContiguousPolicy(AllocationPolicy):
 
     def __init__(self, num_gpu_blocks: int, lru_window: int = 0):
         super().__init__(num_gpu_blocks)
-        #: Blocks: an allocation that must evict may first take, among the
-        #: ``lru_window`` oldest evictable blocks, those that continue its table (0:
-        #: vLLM's exact LRU; ``KVPOOL_LRU_WINDOW``).
+        #: Blocks W: an allocation taking m blocks from the LRU segment may take any
+        #: m of its m + W oldest when that makes fewer runs (0: vLLM's exact LRU;
+        #: ``KVPOOL_LRU_WINDOW``).
         self.lru_window = lru_window
         self.expected_tokens: dict[str, int] = {}
         self.table_owners: dict[tuple[int, str], int] = {}
