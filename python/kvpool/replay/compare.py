@@ -35,9 +35,10 @@ def _cpu_per_step(rounds: list[dict[str, Any]]) -> float:
     return sum(r["sched_cpu_s"] for r in rounds) / max(sum(r["num_steps"] for r in rounds), 1)
 
 
-def _offload_total(rounds: list[dict[str, Any]], key: str) -> int | None:
-    """Sum of an ``offload_*`` count; ``None`` when no round has one (prefix caching
-    off, or a report saved before the transfer figures)."""
+def _total_if_any(rounds: list[dict[str, Any]], key: str) -> int | None:
+    """Sum of a count that only some reports have; ``None`` when no round has it (the
+    ``offload_*`` counts: prefix caching off, or a report saved before the transfer
+    figures; the ``pd_*`` / ``prefill_*`` ones: not a P/D workload)."""
     xs = [r[key] for r in rounds if r.get(key) is not None]
     return sum(xs) if xs else None
 
@@ -47,8 +48,8 @@ def _aggregate(rounds: list[dict[str, Any]]) -> ModeComparison:
     contig = [r["contiguity"] for r in rounds if r["contiguity"] is not None]
     prompts = sum(r.get("prompts", 0) for r in rounds)
     descriptors = sum(r.get("prompt_descriptors_total", 0) for r in rounds)
-    copies = _offload_total(rounds, "offload_copies_total")
-    offloaded = _offload_total(rounds, "offload_blocks")
+    copies = _total_if_any(rounds, "offload_copies_total")
+    offloaded = _total_if_any(rounds, "offload_blocks")
     return ModeComparison(
         sched_cpu_s_per_step=_cpu_per_step(rounds),
         drain_cpu_s_per_step=sum(r["drain_cpu_s"] for r in rounds) / max(steps, 1),
@@ -62,15 +63,9 @@ def _aggregate(rounds: list[dict[str, Any]]) -> ModeComparison:
                                     if r.get("prompt_descriptors_max") is not None), default=None),
         offload_copies_total=copies,
         offload_blocks_per_copy=offloaded / copies if copies else None,
-        pd_descriptors_total=_optional_total(rounds, "pd_descriptors_total"),
-        prefill_prompt_descriptors_total=_optional_total(rounds, "prefill_prompt_descriptors_total"),
+        pd_descriptors_total=_total_if_any(rounds, "pd_descriptors_total"),
+        prefill_prompt_descriptors_total=_total_if_any(rounds, "prefill_prompt_descriptors_total"),
     )
-
-
-def _optional_total(rounds: list[dict[str, Any]], key: str) -> int | None:
-    """Sum of a P/D round field; ``None`` when no round has it (not a P/D workload)."""
-    xs = [r[key] for r in rounds if r.get(key) is not None]
-    return sum(xs) if xs else None
 
 
 def _versus(rounds: list[dict[str, Any]], base: list[dict[str, Any]], entry: ModeComparison) -> VersusVanilla:
@@ -97,9 +92,9 @@ def _versus(rounds: list[dict[str, Any]], base: list[dict[str, Any]], entry: Mod
         prompt_descriptors_ratio_vs_vanilla=_ratio(entry.prompt_descriptors_total,
                                                    sum(r.get("prompt_descriptors_total", 0) for r in base)),
         offload_copies_ratio_vs_vanilla=_ratio(entry.offload_copies_total,
-                                               _offload_total(base, "offload_copies_total")),
+                                               _total_if_any(base, "offload_copies_total")),
         pd_descriptors_ratio_vs_vanilla=_ratio(entry.pd_descriptors_total,
-                                               _optional_total(base, "pd_descriptors_total")),
+                                               _total_if_any(base, "pd_descriptors_total")),
     )
 
 
