@@ -24,6 +24,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An int >= 0 (``--warmup``, ``--max-prompts``: 0 means none / all)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """A finite float > 0 (``--scale``, ``--timeout``)."""
     try:

@@ -199,16 +199,6 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvpool.locality.transfer", description=__doc__.split("\n\n")[0])
     p.add_argument("--tables", metavar="PATH", help="compact recording or replay report (default: the shipped one)")
@@ -220,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name}", type=cliargs.positive_int,
                        help="(default per device: see kvpool.locality.transfer.DEFAULTS)")
     for name in ("warmup", "max-prompts"):
-        p.add_argument(f"--{name}", type=_non_negative_int, help="(default per device; max-prompts 0: all)")
+        p.add_argument(f"--{name}", type=cliargs.non_negative_int, help="(default per device; max-prompts 0: all)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
