@@ -34,6 +34,9 @@ from typing import Any
 
 from kvpool import cliargs
 from kvpool.locality.replay_tables import decode_runs, encode_runs
+# The copies a table costs: (first block id, blocks) per run of ids ascending by 1, null
+# blocks dropped (kvpool.replay.metrics, which imports neither vLLM nor numpy).
+from kvpool.replay.metrics import descriptor_runs as descriptors
 
 FORMAT = "kvpool-replay-prompt-tables/1"
 #: Shipped recording: the serving replay (85,000 blocks x 32 tokens), post-wrap windows.
@@ -46,21 +49,6 @@ DEFAULTS = {
     "cpu": {"layers": 1, "block_size": 2, "num_kv_heads": 1, "head_size": 16, "warmup": 0, "reps": 1,
             "max_prompts": 40},
 }
-
-
-def descriptors(table: Sequence[int]) -> list[tuple[int, int]]:
-    """The copies a table costs: ``(first block id, blocks)`` per maximal run of ids
-    ascending by exactly 1, after dropping null blocks (id 0: never transferred), as
-    ``kvpool.replay.metrics.transfer_descriptors`` counts them."""
-    runs: list[tuple[int, int]] = []
-    for b in table:
-        if b == 0:
-            continue
-        if runs and b == runs[-1][0] + runs[-1][1]:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((b, 1))
-    return runs
 
 
 def extract(report: dict[str, Any], modes: Sequence[str] | None = None) -> dict[str, Any]:

@@ -98,6 +98,20 @@ def mean_run_length(tables: Iterable[Sequence[int]]) -> float | None:
 NULL_BLOCK_ID = 0
 
 
+def descriptor_runs(block_ids: Sequence[int], null_block_id: int = NULL_BLOCK_ID) -> list[tuple[int, int]]:
+    """The descriptors of :func:`transfer_descriptors` themselves: ``(first block id,
+    blocks)`` per run, in table order (what ``kvpool.locality.transfer`` copies)."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if b == null_block_id or b < 0:
+            continue
+        if runs and b == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
 def transfer_descriptors(block_ids: Sequence[int], null_block_id: int = NULL_BLOCK_ID) -> int:
     """Descriptors (copies) needed to move ``block_ids`` when only neighbours with
     ascending consecutive ids coalesce.
@@ -115,15 +129,7 @@ def transfer_descriptors(block_ids: Sequence[int], null_block_id: int = NULL_BLO
     Returns:
         Number of descriptors (0 for no transferable block).
     """
-    runs = 0
-    prev = None
-    for b in block_ids:
-        if b == null_block_id or b < 0:
-            continue
-        if prev is None or b != prev + 1:
-            runs += 1
-        prev = b
-    return runs
+    return len(descriptor_runs(block_ids, null_block_id))
 
 
 def nearest_rank(values: Sequence[float], q: float):
