@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 #: Minimum vLLM/kvpool ratios (issue 4), at 85,000 blocks on a 2-core machine.
 TARGETS = {
     "reorder": 200,
@@ -17,21 +19,35 @@ TARGETS = {
     "touch_free_2100_hashed": 20,
     "deferred_drain_2100": 20,
     # The scheduler step (benchmarks/test_scheduler_step_bench.py, issue 17): vanilla's
-    # CPU per step / kvpool's, serving shape. Reported, not gated yet: issue 17's goal
-    # is 1/0.7 (default policy) and 1/0.75 (contiguous), which the manager's Python
-    # (about 44% of a step in both builds) keeps out of reach until it is native; on
-    # the shared 2-core machine the ratio moved between 0.8x and 1.2x run to run
-    # (docs/performance.md).
-    # "scheduler_step_serving": None,
-    # "scheduler_step_serving_contiguous": None,
+    # CPU per step / kvpool's, the median of 9 interleaved rounds of 200 steps. With the
+    # KV cache manager's running-request path native (kvpool.patches.manager_fast_path)
+    # three runs on 2026-12-01 measured serving 1.37-1.47x (contiguous 1.2-1.31x), grpo
+    # 1.3-1.42x (contiguous 1.2-1.5x), while the absolute times moved 2x from run to run
+    # (docs/performance.md). Issue 17's goal is 1/0.7 = 1.43x (default) and 1/0.75 =
+    # 1.33x (contiguous) on both shapes; these gates sit below the lowest run so that
+    # a regression of the native path (back to ~1.0x) fails and noise does not.
+    "scheduler_step_serving": 1.25,
+    "scheduler_step_serving_contiguous": 1.1,
+    "scheduler_step_grpo": 1.2,
+    "scheduler_step_grpo_contiguous": 1.1,
 }
 
 
 def ratio_rows(benchmarks: list[dict]) -> list[dict]:
     """``benchmarks``: dicts with group, name, median (s), extra_info['impl'/'blocks']."""
+    # Several benchmarks of one group and implementation (the scheduler step's
+    # interleaved rounds, one benchmark each) count as one: the median of their medians.
     by_group: dict[str, dict[str, dict]] = {}
     for b in benchmarks:
-        by_group.setdefault(b["group"], {})[b["extra_info"]["impl"]] = b
+        impls = by_group.setdefault(b["group"], {})
+        impl = b["extra_info"]["impl"]
+        if impl in impls:
+            impls[impl]["medians"].append(b["median"])
+        else:
+            impls[impl] = {**b, "medians": [b["median"]]}
+    for impls in by_group.values():
+        for b in impls.values():
+            b["median"] = statistics.median(b["medians"])
     rows = []
     for group, impls in sorted(by_group.items()):
         if "vllm" not in impls:

@@ -3,13 +3,21 @@ policy) vs kvpool with the contiguous policy, in the same run (issue 17).
 
 What a user feels is the engine step, not one pool call: each timed round runs
 ``STEPS`` engine steps (``schedule()`` + ``update_from_output()`` with a stand-in model
-output) of a serving shape: never idle (a finished request is replaced at once), prefix
-caching on, requests sharing system-prompt prefixes, and a pool small enough that it has
-wrapped (every block used once, the LRU segment evicting) before the timed steps start.
+output) of one of two shapes, prefix caching on, on a pool small enough that it has
+wrapped (every block used once, the LRU segment evicting) before the timed steps start:
+
+* serving: never idle (a finished request is replaced at once), requests sharing
+  system-prompt prefixes;
+* grpo: rounds of 2 prompts x 8 samples submitted at once (the samples share their
+  prompt, 600-1,700 tokens; 16-300 output tokens each), the next round when the last
+  sample finished.
 The set-up (building the scheduler under the mode, the warm-up steps) is not timed.
 
-Every mode must make vLLM's scheduling decisions (tokens scheduled per request, per
-step, and preemptions): the traces of a mode's first round are compared with vanilla's.
+The modes' rounds alternate (round 0 of every mode, then round 1, ...; one stream per
+mode, built once), so a change of the machine's speed during the run reaches every mode
+alike, and the ratio is of the medians of a mode's rounds. Every mode must make vLLM's
+scheduling decisions (tokens scheduled per request, per step, and preemptions): each
+round's trace is compared with vanilla's.
 Ratios (vanilla / mode, of medians) are printed with the pool benchmarks' and checked
 by ``benchmarks/check_ratios.py`` against ``benchmarks/ratios.py``.
 
@@ -32,15 +40,15 @@ from tests.support.scheduler import make_request, make_scheduler, runner_output
 NUM_BLOCKS = 3_000
 IN_FLIGHT = 16  # the helper scheduler's max_num_seqs
 WARMUP_STEPS = 1_500
-STEPS = 300
-ROUNDS = 5
+STEPS = 200
+ROUNDS = 9
 MAX_TOKENS_BATCH = 2_048  # = max_model_len (opt-125m: 2,048 positions)
 #: Prefixes shared by groups of requests (system prompts), in tokens.
 PREFIXES = [list(range(10_000 * g, 10_000 * g + n)) for g, n in enumerate((400, 640, 900, 250))]
 
 #: Modes: how kvpool is installed (None: not at all).
 MODES = {"vllm": None, "kvpool": "vllm", "kvpool_contiguous": "contiguous"}
-_TRACES: dict[str, list] = {}
+_TRACES: dict[tuple[str, int], dict[str, list]] = {}
 
 
 class _Serving:
@@ -75,41 +83,111 @@ def _set_mode(mode: str) -> None:
         kvpool.install(allocation=MODES[mode])
 
 
-@pytest.mark.benchmark(timer=time.thread_time)  # CPU of the step, as the replay reports it
-@pytest.mark.parametrize("impl", list(MODES))
-def test_scheduler_step_serving(benchmark, impl):
-    rounds_seen = []
+class _Grpo:
+    """GRPO rollouts: rounds of GRPO_PROMPTS prompts x GRPO_SAMPLES samples submitted at
+    once (the samples share their prompt), the next round when the last one finished."""
 
-    def setup():
+    def __init__(self, scheduler, seed: int = 1) -> None:
+        self.scheduler = scheduler
+        self.rng = random.Random(seed)
+        self.round = 0
+        self.blocks_asked = 0
+
+    def _new_round(self) -> None:
+        rng = self.rng
+        for p in range(GRPO_PROMPTS):
+            prompt = [rng.randrange(1, 30_000) for _ in range(rng.randrange(600, 1_700))]
+            for k in range(GRPO_SAMPLES):
+                max_tokens = rng.randrange(16, 300)
+                self.scheduler.add_request(make_request(f"g{self.round}-{p}-{k}", prompt, max_tokens=max_tokens))
+                self.blocks_asked += -(-(len(prompt) + max_tokens) // 16)
+        self.round += 1
+
+    def step(self, trace: list | None = None) -> None:
+        if not self.scheduler.requests:
+            self._new_round()
+        out = self.scheduler.schedule()
+        if trace is not None:
+            trace.append((sorted(out.num_scheduled_tokens.items()), sorted(out.preempted_req_ids or ())))
+        self.scheduler.update_from_output(out, runner_output(out))
+
+
+GRPO_PROMPTS = 2
+GRPO_SAMPLES = 8
+
+
+#: One stream per (shape, mode), built once and advanced round after round.
+_STREAMS: dict[tuple[str, str], object] = {}
+SHAPES = {"serving": _Serving, "grpo": _Grpo}
+
+
+def _stream(shape: str, impl: str):
+    key = (shape, impl)
+    if key not in _STREAMS:
         _set_mode(impl)
         scheduler = make_scheduler(num_blocks=NUM_BLOCKS, max_num_batched_tokens=MAX_TOKENS_BATCH)
-        serving = _Serving(scheduler)
+        stream = SHAPES[shape](scheduler)
         for _ in range(WARMUP_STEPS):
-            serving.step()
+            stream.step()
         pool = scheduler.kv_cache_manager.block_pool
         assert type(pool).__module__.startswith("kvpool" if MODES[impl] else "vllm")
         # The pool has wrapped: the requests so far needed more blocks than it has, so
         # the timed steps allocate from the LRU segment, evicting cached blocks.
-        assert serving.blocks_asked > 2 * NUM_BLOCKS, serving.blocks_asked
-        gc.collect()  # the previous rounds' schedulers: not collected inside the timed steps
-        return (serving,), {}
+        assert stream.blocks_asked > 2 * NUM_BLOCKS, stream.blocks_asked
+        _STREAMS[key] = stream
+    return _STREAMS[key]
 
-    def run(serving):
-        trace = [] if not rounds_seen else None
+
+def _bench_round(benchmark, shape: str, round_: int, impl: str) -> None:
+    """Round ``round_`` of ``impl`` on ``shape``: STEPS steps of its stream, timed as one
+    pytest-benchmark round. The modes' rounds alternate (round 0 of each mode, then round
+    1 of each, ...), so a change in the machine's speed during the run (other tenants,
+    frequency) reaches every mode alike; ``benchmarks/ratios.py`` takes the median of a
+    mode's rounds. Like vLLM's engine core (``freeze_gc_heap``), the objects built before
+    the timed steps are frozen out of the garbage collector."""
+    stream = _stream(shape, impl)
+
+    def setup():
+        _set_mode(impl)  # the class patches of this mode (streams of all modes live on)
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
+        return (stream,), {}
+
+    trace: list = []
+
+    def run(stream):
         for _ in range(STEPS):
-            serving.step(trace)
-        if trace is not None:
-            rounds_seen.append(trace)
+            stream.step(trace)
 
-    # One group, three modes: rows "scheduler_step_serving" (default policy) and
-    # "scheduler_step_serving_contiguous" (benchmarks/ratios.py). "blocks" is the number
-    # of steps, so the ns-per-block column reads ns per step here.
-    benchmark.group = "scheduler_step_serving"
-    benchmark.extra_info.update(impl=impl, blocks=STEPS, per="step")
+    group = f"scheduler_step_{shape}"
+    # One group, three modes: rows "<group>" (default policy) and "<group>_contiguous"
+    # (benchmarks/ratios.py). "blocks" is the number of steps, so the ns-per-block
+    # column reads ns per step here.
+    benchmark.group = group
+    benchmark.extra_info.update(impl=impl, blocks=STEPS, per="step", round=round_)
     try:
-        benchmark.pedantic(run, setup=setup, rounds=ROUNDS, iterations=1, warmup_rounds=0)
+        benchmark.pedantic(run, setup=setup, rounds=1, iterations=1, warmup_rounds=0)
     finally:
+        gc.unfreeze()
         kvpool.uninstall()
-    _TRACES[impl] = rounds_seen[0]
-    if impl != "vllm" and "vllm" in _TRACES:
-        assert _TRACES[impl] == _TRACES["vllm"], f"{impl} scheduled differently from vLLM"
+    traces = _TRACES.setdefault((shape, round_), {})
+    traces[impl] = trace
+    if impl != "vllm" and "vllm" in traces:
+        assert traces[impl] == traces["vllm"], f"{impl} scheduled differently from vLLM in round {round_}"
+
+
+#: (round, mode) in the order the benchmarks run: the modes alternate round by round.
+INTERLEAVED = [(r, impl) for r in range(ROUNDS) for impl in MODES]
+
+
+@pytest.mark.benchmark(timer=time.thread_time)  # CPU of the step, as the replay reports it
+@pytest.mark.parametrize("round_,impl", INTERLEAVED)
+def test_scheduler_step_serving(benchmark, round_, impl):
+    _bench_round(benchmark, "serving", round_, impl)
+
+
+@pytest.mark.benchmark(timer=time.thread_time)
+@pytest.mark.parametrize("round_,impl", INTERLEAVED)
+def test_scheduler_step_grpo(benchmark, round_, impl):
+    _bench_round(benchmark, "grpo", round_, impl)

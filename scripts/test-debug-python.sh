@@ -55,7 +55,7 @@ PY
 py=.venv-dbg/bin/python
 if [ "$short" = 1 ]; then
   # The test files marked `debug` (pyproject.toml).
-  "$py" -m pytest -q -p no:cacheprovider -s -m debug tests
+  KVPOOL_MANAGER_DIFF_OPS=6000 "$py" -m pytest -q -p no:cacheprovider -s -m debug tests
 else
   "$py" -m pytest -q -p no:cacheprovider -s tests/native/test_leak_check.py
   "$py" -m pytest -q -p no:cacheprovider tests --deselect tests/native/test_leak_check.py

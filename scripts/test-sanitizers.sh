@@ -50,7 +50,7 @@ py=.venv-asan/bin/python
 # The test files marked `sanitizer` (pyproject.toml); of those, the long random-operation
 # runs are also marked `slow`.
 if [ "$short" = 1 ]; then
-  KVPOOL_DIFF_OPS=20000 KVPOOL_LEAK_OPS=20000 KVPOOL_POLICY_DIFF_OPS=20000 "$py" -m pytest -q -p no:cacheprovider -s \
+  KVPOOL_DIFF_OPS=20000 KVPOOL_MANAGER_DIFF_OPS=6000 KVPOOL_LEAK_OPS=20000 KVPOOL_POLICY_DIFF_OPS=20000 "$py" -m pytest -q -p no:cacheprovider -s \
     -m sanitizer tests
 else
   KVPOOL_DIFF_OPS=100000 KVPOOL_LEAK_OPS=100000 KVPOOL_POLICY_DIFF_OPS=100000 "$py" -m pytest -q -p no:cacheprovider -s \

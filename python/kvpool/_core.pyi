@@ -163,3 +163,41 @@ def pool_unpin_blocks(
 def pool_blocks_to_evict(
     blocks: Sequence[KVCacheBlock], block_ids: Iterable[int], cached_block_hashes_by_block: dict[int, Any], every_block: bool
 ) -> list[KVCacheBlock]: ...
+
+# The KV cache manager's step (manager.pxi; kvpool.patches.manager_fast_path binds them).
+def allocate_slots_fast_path_state() -> dict[str, Any]: ...
+def configure_allocate_slots_fast_path(
+    *,
+    manager_cls: type,
+    coordinator_cls: type,
+    full_attention_cls: type,
+    vanilla: Any,
+    waiting: Any,
+    preempted: Any,
+    manager_module_dict: dict[str, Any],
+    class_checks: Iterable[tuple[type, str, Any]],
+    manager_names: Iterable[str],
+    coordinator_names: Iterable[str],
+    single_type_names: Iterable[str],
+    manager_hooks: bool = False,
+) -> None: ...
+def disable_allocate_slots_fast_path() -> None: ...
+def kv_cache_manager_allocate_slots(
+    self: Any,
+    request: Any,
+    num_new_tokens: int,
+    num_new_computed_tokens: int = 0,
+    new_computed_blocks: Any = None,
+    num_lookahead_tokens: int = 0,
+    num_external_computed_tokens: int = 0,
+    delay_cache_blocks: bool = False,
+    num_encoder_tokens: int = 0,
+    full_sequence_must_fit: bool = False,
+    reserved_blocks: int = 0,
+    has_scheduled_reqs: bool = True,
+    *args: Any,
+    **kwargs: Any,
+) -> Any: ...
+def kv_cache_blocks_get_block_ids(
+    self: Any, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
+) -> tuple[list[int], ...] | None: ...

@@ -47,6 +47,7 @@ REORDER_ON_RESET = "KVPOOL_REORDER_ON_RESET"
 REORDER_ON_IDLE = "KVPOOL_REORDER_ON_IDLE"
 ALLOW_UNTESTED_VLLM = "KVPOOL_ALLOW_UNTESTED_VLLM"
 METRICS_INTERVAL_S = "KVPOOL_METRICS_INTERVAL_S"
+PYTHON_MANAGER = "KVPOOL_PYTHON_MANAGER"
 CACHE_DIR = "KVPOOL_CACHE_DIR"
 INDEX_URL = "KVPOOL_INDEX_URL"
 # Read by scripts/bootstrap.sh; conformance's matrix sets them for it.
@@ -167,6 +168,9 @@ VARIABLES: dict[str, Variable] = {
                  "restore the uncached free blocks' order whenever the pool empties (vllm policy)"),
         Variable(ALLOW_UNTESTED_VLLM, "switch", False,
                  "install into a vLLM release outside the supported list", argument="force"),
+        Variable(PYTHON_MANAGER, "switch", False,
+                 "KVCacheManager.allocate_slots and KVCacheBlocks.get_block_ids stay vLLM's Python "
+                 "(off: a running request's allocate_slots runs natively where it can)"),
         Variable(METRICS_INTERVAL_S, "seconds", 1.0,
                  "seconds between two reads of the pool's fragmentation stats in the engine core"),
         Variable(CACHE_DIR, "text", "~/.cache/kvpool",
@@ -193,6 +197,7 @@ SCRIPT_VARIABLES: dict[str, str] = {
     "KVPOOL_PY_VENV": "scripts/test-python.sh: the environment's folder",
     "KVPOOL_DIFF_OPS": "tests: operations of the long differential (default 10000)",
     "KVPOOL_DIFF_SEED": "tests: seed of the differentials",
+    "KVPOOL_MANAGER_DIFF_OPS": "tests: operations of the KV cache manager differential (default 20000)",
     "KVPOOL_POLICY_DIFF_OPS": "tests: operations of the policy differential (default 20000)",
     "KVPOOL_LEAK_OPS": "tests: operations of the leak check (default 100000)",
     "KVPOOL_LEAK_SEED": "tests: seed of the leak check",

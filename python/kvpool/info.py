@@ -85,7 +85,26 @@ def describe() -> str:
         lines.append("native core: built")
     except ImportError as e:  # pragma: no cover - only on a broken install
         lines.append(f"native core: NOT importable ({e})")
+    if version is not None:
+        lines.append("native KV cache manager path (allocate_slots of a running request): "
+                     + _manager_path_state())
     return "\n".join(lines)
+
+
+def _manager_path_state() -> str:
+    """Whether ``kvpool.patches.manager_fast_path`` can bind on this vLLM."""
+    try:
+        from kvpool.patches import manager_fast_path
+
+        release = manager_fast_path.matching_release()
+    except Exception as e:  # noqa: BLE001 - info reports, never fails on vLLM's internals
+        return f"unknown ({type(e).__name__}: {e})"
+    if release is None:
+        return ("off: this vLLM's allocate_slots and the methods it calls are not a release's "
+                f"it was checked against ({', '.join(manager_fast_path.KNOWN_SOURCES)})")
+    if envs.get(envs.PYTHON_MANAGER):
+        return f"off: {envs.PYTHON_MANAGER} is on"
+    return f"on (the mirrored vLLM functions are {release}'s)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,6 +65,7 @@ _state: _InstallState | None = None
 #: classes are bound, in this order.
 PATCH_MODULES: tuple[str, ...] = (
     "kvpool.patches.manager_hooks",
+    "kvpool.patches.manager_fast_path",
     "kvpool.patches.deferred_free",
     "kvpool.patches.metrics",
     "kvpool.patches.engine_api",

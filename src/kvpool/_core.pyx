@@ -109,3 +109,4 @@ include "touch.pxi"               # pool_touch
 include "unpin_evict.pxi"         # pool_unpin_blocks, pool_blocks_to_evict
 include "member_descriptors.pxi"  # T_OBJECT_EX descriptors for the hot fields
 include "deferred_free.pxi"       # FencedDeferredFreeQueue
+include "manager.pxi"             # KVCacheManager.allocate_slots for a running request (issue 17)

@@ -210,6 +210,16 @@ def test_info_prints_each_setting_with_its_source():
         assert name in proc.stdout
 
 
+def test_info_says_whether_the_native_manager_path_binds():
+    code = "from kvpool.__main__ import main; raise SystemExit(main(['info']))"
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stderr
+    assert "native KV cache manager path (allocate_slots of a running request): on (the mirrored " \
+           "vLLM functions are 0.33.0's)" in proc.stdout
+    proc = _run(code, KVPOOL_PYTHON_MANAGER="1")
+    assert "allocate_slots of a running request): off: KVPOOL_PYTHON_MANAGER is on" in proc.stdout
+
+
 def test_info_names_an_invalid_setting_and_exits_2():
     proc = _run("from kvpool.__main__ import main; raise SystemExit(main(['info']))",
                 KVPOOL_REORDER_ON_RESET="yes please")

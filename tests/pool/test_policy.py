@@ -253,15 +253,21 @@ def test_default_policy_installs_no_manager_hook():
 
     vanilla = (KVCacheManager.allocate_slots, SingleTypeKVCacheManager.allocate_new_blocks,
                FullAttentionManager.pop_blocks_for_free)
+    from kvpool import _core
+
     kvpool.install()
     try:
-        assert (KVCacheManager.allocate_slots, SingleTypeKVCacheManager.allocate_new_blocks,
-                FullAttentionManager.pop_blocks_for_free) == vanilla
+        # The single-type managers run vLLM's methods unwrapped; allocate_slots is the
+        # native path (kvpool.patches.manager_fast_path), no wrapper around vLLM's.
+        assert (SingleTypeKVCacheManager.allocate_new_blocks, FullAttentionManager.pop_blocks_for_free) == vanilla[1:]
+        assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
+        assert KVCacheManager.allocate_slots.__kvpool_wrapped__ is vanilla[0]
     finally:
         kvpool.uninstall()
     kvpool.install(allocation="contiguous")
     try:
-        assert KVCacheManager.allocate_slots.__kvpool_wrapped__ is vanilla[0]
+        # The native path over the policy's hook over vLLM's method.
+        assert KVCacheManager.allocate_slots.__kvpool_wrapped__.__kvpool_wrapped__ is vanilla[0]
         assert SingleTypeKVCacheManager.allocate_new_blocks.__kvpool_wrapped__ is vanilla[1]
     finally:
         kvpool.uninstall()

@@ -1,0 +1,208 @@
+"""``KVCacheManager.allocate_slots`` of a running request in one native call (a patch
+module; issue 17).
+
+What it replaces: in every engine step vLLM's scheduler calls
+``KVCacheManager.allocate_slots`` once per running request
+(``vllm/v1/core/kv_cache_manager.py``, vLLM 0.30.0-0.33.0). For a model with one
+full-attention KV cache group (``UnitaryKVCacheCoordinator`` over one
+``FullAttentionManager``: most dense models) and a running request (no new prefix hit,
+no connector or encoder tokens), that call walks five Python layers (the manager, the
+coordinator, the single-type manager, ``cdiv``, ``create_kv_cache_blocks``) to compute
+how many blocks the request's next tokens need, usually none. It was about a third of
+the scheduler step's CPU in the profile of docs/performance.md.
+
+``kvpool._core.kv_cache_manager_allocate_slots`` (``src/kvpool/manager.pxi``) does that
+arithmetic in C and calls vLLM's own pool and coordinator methods (``get_num_free_blocks``,
+``get_new_blocks``, ``cache_blocks``) whenever a block is allocated or cached, so the
+pool, the hash map, KV events and the tables change exactly as in vLLM. Every other
+call goes to vLLM's ``allocate_slots`` unchanged: a waiting or preempted request, a
+prefix hit, external or encoder tokens, ``full_sequence_must_fit``, a subclass of the
+manager, a coordinator or single-type manager of any other type, a pending
+copy-on-write block, an argument of another type than vLLM's scheduler passes, or any
+of the methods it skips patched on the class or the instance (checked on every call;
+classes through their attribute-cache version tag).
+
+It is bound only where its arithmetic is vLLM's: the sources of the vLLM functions it
+mirrors (:data:`MIRRORED`) must hash to one of :data:`KNOWN_SOURCES` (vLLM 0.30.0 and
+0.33.0; a release whose functions differ keeps vLLM's ``allocate_slots``, with one
+info line), and ``KVPOOL_PYTHON_MANAGER`` must not be on. Under a policy with
+manager hooks (``allocation="contiguous"``: :mod:`kvpool.patches.manager_hooks`, applied
+before this module) the native path does what those hooks do: it tells the policy the
+request's expected length and runs the pool's allocation in the table's context.
+``uninstall()`` puts vLLM's methods back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import textwrap
+
+from kvpool import allocation, envs
+
+logger = logging.getLogger("vllm.kvpool")
+
+#: The vLLM functions whose behaviour the native path reproduces, as
+#: ``(class name, method name)``; the class is where the call resolves
+#: (``UnitaryKVCacheCoordinator``'s methods come from ``KVCacheCoordinator``).
+MIRRORED: tuple[tuple[str, str], ...] = (
+    ("KVCacheManager", "allocate_slots"),
+    ("KVCacheManager", "create_kv_cache_blocks"),
+    ("UnitaryKVCacheCoordinator", "remove_skipped_blocks"),
+    ("UnitaryKVCacheCoordinator", "get_num_blocks_to_allocate"),
+    ("UnitaryKVCacheCoordinator", "allocate_new_computed_blocks"),
+    ("UnitaryKVCacheCoordinator", "allocate_new_blocks"),
+    ("UnitaryKVCacheCoordinator", "cache_blocks"),
+    ("UnitaryKVCacheCoordinator", "get_num_cacheable_tokens"),
+    ("UnitaryKVCacheCoordinator", "get_replay_boundaries"),
+    ("FullAttentionManager", "remove_skipped_blocks"),
+    ("FullAttentionManager", "get_num_skipped_tokens"),
+    ("FullAttentionManager", "get_num_blocks_to_allocate"),
+    ("FullAttentionManager", "allocate_new_blocks"),
+    ("FullAttentionManager", "cache_blocks"),
+    ("SingleTypeKVCacheManager", "cache_blocks"),
+)
+
+#: sha256 of :func:`mirrored_source` per vLLM release whose functions the native path
+#: was written against and checked with that release's own tests (docs/conformance.md).
+KNOWN_SOURCES: dict[str, str] = {
+    "0.33.0": "20d7d206cd7a7a3d70dd7544f7999405bf79b92ce0c19cc4e999d9f64f40a5ba",
+    "0.30.0": "84172f12f7345ed48f39d9e227a75a14bcc710e1253ae218da537dd3f336400d",
+}
+
+#: sha256 of the source of ``KVCacheBlocks.get_block_ids`` per release whose function
+#: ``kvpool._core.kv_cache_blocks_get_block_ids`` compiles (bound beside the above).
+KNOWN_GET_BLOCK_IDS: dict[str, str] = {
+    "0.33.0": "81cfa55cf5e02cbd46e75d513bd0b1b066022853dc895fae7be7946d94751f6e",
+    "0.30.0": "9a4a06f57067c85dc08e93c1e28ed9bfd604c4d9fecb31f857543cff484e69b0",
+}
+
+# Method names the native path skips, which must not be set on the instances.
+_MANAGER_NAMES = ("create_kv_cache_blocks",)
+_COORDINATOR_NAMES = ("remove_skipped_blocks", "get_num_blocks_to_allocate",
+                      "allocate_new_computed_blocks", "allocate_new_blocks", "cache_blocks",
+                      "get_num_cacheable_tokens", "get_replay_boundaries")
+_SINGLE_TYPE_NAMES = ("remove_skipped_blocks", "get_num_skipped_tokens",
+                      "get_num_blocks_to_allocate", "allocate_new_blocks", "cache_blocks",
+                      "_cache_partial_tail_block", "reachable_block_mask")
+
+
+def _classes() -> dict[str, type]:
+    from vllm.v1.core import kv_cache_coordinator, kv_cache_manager, single_type_kv_cache_manager
+
+    return {
+        "KVCacheManager": kv_cache_manager.KVCacheManager,
+        "UnitaryKVCacheCoordinator": kv_cache_coordinator.UnitaryKVCacheCoordinator,
+        "FullAttentionManager": single_type_kv_cache_manager.FullAttentionManager,
+        "SingleTypeKVCacheManager": single_type_kv_cache_manager.SingleTypeKVCacheManager,
+    }
+
+
+def _vanilla(cls: type, name: str):
+    """vLLM's function behind ``cls.name`` (seen through kvpool's own wrappers)."""
+    func = getattr(cls, name, None)
+    while func is not None and hasattr(func, "__kvpool_wrapped__"):
+        func = func.__kvpool_wrapped__
+    return func
+
+
+def mirrored_source(classes: dict[str, type] | None = None) -> str:
+    """The sources of :data:`MIRRORED` as the installed vLLM defines them, dedented, one
+    after the other under a ``# Class.method`` line (``# Class.method: absent`` when the
+    release has no such method). Raises ``OSError``/``TypeError`` when a source cannot
+    be read (a vLLM installed without its ``.py`` files)."""
+    classes = classes or _classes()
+    parts = []
+    for cls_name, name in MIRRORED:
+        func = _vanilla(classes[cls_name], name)
+        if func is None:
+            parts.append(f"# {cls_name}.{name}: absent\n")
+            continue
+        parts.append(f"# {cls_name}.{name}\n{textwrap.dedent(inspect.getsource(func))}")
+    return "".join(parts)
+
+
+def source_fingerprint(classes: dict[str, type] | None = None) -> str:
+    """sha256 (hex) of :func:`mirrored_source`."""
+    return hashlib.sha256(mirrored_source(classes).encode()).hexdigest()
+
+
+def matching_release(classes: dict[str, type] | None = None) -> str | None:
+    """The release of :data:`KNOWN_SOURCES` whose mirrored sources the installed vLLM
+    has, or None (sources differ or cannot be read)."""
+    try:
+        fingerprint = source_fingerprint(classes)
+    except (OSError, TypeError):
+        return None
+    for release, known in KNOWN_SOURCES.items():
+        if known and known == fingerprint:
+            return release
+    return None
+
+
+def get_block_ids_fingerprint(kv_cache_blocks: type | None = None) -> str | None:
+    """sha256 (hex) of the installed ``KVCacheBlocks.get_block_ids`` source (dedented),
+    or None when it cannot be read."""
+    if kv_cache_blocks is None:
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks as kv_cache_blocks
+    try:
+        source = textwrap.dedent(inspect.getsource(_vanilla(kv_cache_blocks, "get_block_ids")))
+    except (OSError, TypeError):
+        return None
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+def apply(patcher) -> None:
+    """Bind ``kvpool._core.kv_cache_manager_allocate_slots`` as
+    ``KVCacheManager.allocate_slots`` when the installed vLLM's mirrored functions are a
+    known release's and the policy installs no manager hooks (called by
+    ``kvpool.install()``; undone by ``uninstall()``)."""
+    from kvpool import _core
+
+    _core.disable_allocate_slots_fast_path()
+    if envs.get(envs.PYTHON_MANAGER):
+        return
+    from vllm.v1.core import kv_cache_manager
+    from vllm.v1.request import RequestStatus
+
+    patcher.require(kv_cache_manager.KVCacheBlocks, "get_block_ids")
+    fingerprint = get_block_ids_fingerprint(kv_cache_manager.KVCacheBlocks)
+    if fingerprint is not None and fingerprint in KNOWN_GET_BLOCK_IDS.values():
+        fast_ids = _core.kv_cache_blocks_get_block_ids
+        fast_ids.__wrapped__ = fast_ids.__kvpool_wrapped__ = kv_cache_manager.KVCacheBlocks.get_block_ids
+        patcher.set_attr(kv_cache_manager.KVCacheBlocks, "get_block_ids", fast_ids)
+    classes = _classes()
+    patcher.require(classes["KVCacheManager"], "allocate_slots", "create_kv_cache_blocks")
+    release = matching_release(classes)
+    if release is None:
+        logger.info("kvpool: KVCacheManager.allocate_slots stays vLLM's Python: this vLLM's "
+                    "allocate_slots and the methods it calls are not those of a release "
+                    "kvpool's native path was checked against (%s)", ", ".join(KNOWN_SOURCES))
+        return
+    class_checks = [(classes[c], n, getattr(classes[c], n, None)) for c, n in MIRRORED
+                    if c != "KVCacheManager" or n != "allocate_slots"]
+    manager_cls = classes["KVCacheManager"]
+    vanilla = manager_cls.allocate_slots
+    _core.configure_allocate_slots_fast_path(
+        manager_cls=manager_cls,
+        coordinator_cls=classes["UnitaryKVCacheCoordinator"],
+        full_attention_cls=classes["FullAttentionManager"],
+        vanilla=vanilla,
+        waiting=RequestStatus.WAITING,
+        preempted=RequestStatus.PREEMPTED,
+        manager_module_dict=vars(kv_cache_manager),
+        class_checks=class_checks,
+        manager_names=_MANAGER_NAMES,
+        coordinator_names=_COORDINATOR_NAMES,
+        single_type_names=_SINGLE_TYPE_NAMES,
+        manager_hooks=allocation.needs_manager_hooks(patcher.policy),
+    )
+    fast = _core.kv_cache_manager_allocate_slots
+    fast.__wrapped__ = vanilla          # inspect.signature() shows vLLM's
+    fast.__kvpool_wrapped__ = vanilla
+    patcher.set_attr(manager_cls, "allocate_slots", fast)
+
+
+__all__ = ["KNOWN_SOURCES", "MIRRORED", "apply", "matching_release", "mirrored_source",
+           "source_fingerprint"]

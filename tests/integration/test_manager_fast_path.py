@@ -1,0 +1,409 @@
+"""The native ``KVCacheManager.allocate_slots`` (``kvpool.patches.manager_fast_path``,
+``src/kvpool/manager.pxi``) against vLLM 0.33.0's own method.
+
+The differential drives two ``KVCacheManager``s (kvpool installed, so both on kvpool's
+pool, which tests/pool checks against vLLM's) with the same random operations: one
+called through vLLM's ``allocate_slots``, one through the native function (which hands
+every call it does not take to vLLM's). After every operation: the returned blocks' ids (or None, and
+whether it is the manager's shared empty ``KVCacheBlocks``), every request's block table
+and cached-block count, the free block count, the new block ids for zeroing, and the KV
+events are compared.
+
+    KVPOOL_MANAGER_DIFF_OPS=1000000 python -m pytest tests/integration/test_manager_fast_path.py -s
+
+runs 10^6 operations (default 20,000).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+import kvpool
+from kvpool import _core
+from tests.support.scheduler import make_request
+
+pytestmark = [pytest.mark.sanitizer, pytest.mark.debug]
+
+BLOCK_SIZE = 16
+NUM_OPS = int(os.environ.get("KVPOOL_MANAGER_DIFF_OPS", "20000"))
+SEED = int(os.environ.get("KVPOOL_DIFF_SEED", "20261201"))
+PREFIXES = [list(range(5_000 * g, 5_000 * g + n)) for g, n in enumerate((48, 100, 160))]
+
+
+def _manager(num_blocks: int, max_model_len: int = 1024, **kwargs):
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    manager = KVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=BLOCK_SIZE,
+                             hash_block_size=BLOCK_SIZE, **kwargs)
+    # As for a model whose new blocks the worker zeroes (vLLM sets it from the config).
+    manager.coordinator.single_type_managers[0]._record_new_block_ids = True
+    return manager
+
+
+def _vanilla_allocate_slots():
+    from kvpool.patches.manager_fast_path import _vanilla
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    return _vanilla(KVCacheManager, "allocate_slots")
+
+
+def _summary(manager, result):
+    if result is None:
+        return None
+    return (result is manager.empty_kv_cache_blocks, [[b.block_id for b in g] for g in result.blocks])
+
+
+class _Side:
+    def __init__(self, manager, allocate_slots):
+        self.manager = manager
+        self.allocate_slots = allocate_slots
+        self.requests: dict[str, object] = {}
+
+    def state(self):
+        single = self.manager.coordinator.single_type_managers[0]
+        tables = {rid: [b.block_id for b in blocks] for rid, blocks in single.req_to_blocks.items()}
+        events = [repr(e) for e in self.manager.take_events()]
+        return (tables, dict(single.num_cached_block), self.manager.block_pool.get_num_free_blocks(),
+                self.manager.take_new_block_ids(), events)
+
+
+def _run_differential(num_ops: int, num_blocks: int, seed: int, watermark: float = 0.0) -> dict:
+    from vllm.v1.request import RequestStatus
+
+    rng = random.Random(seed)
+    kvpool.install()
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
+    options = dict(enable_kv_cache_events=True, watermark=watermark)
+    # Both on kvpool's pool (itself checked against vLLM's by tests/pool): what differs
+    # is only the allocate_slots that runs.
+    vanilla = _Side(_manager(num_blocks, **options), _vanilla_allocate_slots())
+    native = _Side(_manager(num_blocks, **options), KVCacheManager.allocate_slots)
+    sides = (vanilla, native)
+    live: list[str] = []
+    next_id = 0
+    counts = {"add": 0, "step": 0, "none": 0, "free": 0, "reset": 0}
+    for op in range(num_ops):
+        roll = rng.random()
+        if len(live) < 3 or (roll < 0.08 and len(live) < 12):
+            rid = f"r{next_id}"
+            next_id += 1
+            prompt = list(rng.choice(PREFIXES)) + [rng.randrange(1, 30_000) for _ in range(rng.randrange(1, 200))]
+            chunk = rng.choice((16, 64, 512))
+            results = []
+            for side in sides:
+                req = make_request(rid, prompt, max_tokens=10_000, block_size=BLOCK_SIZE)
+                blocks, hit = side.manager.get_computed_blocks(req)[:2]
+                n = min(chunk, len(prompt) - hit)
+                out = side.allocate_slots(side.manager, req, n, num_new_computed_tokens=hit,
+                                          new_computed_blocks=blocks)
+                results.append((hit, _summary(side.manager, out)))
+                if out is not None:
+                    req.status = RequestStatus.RUNNING
+                    req.num_computed_tokens = hit + n
+                    side.requests[rid] = req
+            assert results[0] == results[1], (op, "add", results)
+            if results[0][1] is not None:
+                live.append(rid)
+            counts["add"] += 1
+        elif roll < 0.14 or vanilla.requests[live[0]].num_tokens > 900:
+            rid = live.pop(rng.randrange(len(live)) if roll < 0.14 else 0)
+            for side in sides:
+                side.manager.free(side.requests.pop(rid))
+            counts["free"] += 1
+        elif roll < 0.141:
+            assert len({side.manager.reset_prefix_cache() for side in sides}) == 1
+            counts["reset"] += 1
+        else:
+            rid = rng.choice(live)
+            req0 = vanilla.requests[rid]
+            prefill_left = req0.num_prompt_tokens - req0.num_computed_tokens
+            n = min(rng.choice((1, 16, 64, 300)), prefill_left) if prefill_left > 0 else 1
+            kwargs = {}
+            if rng.random() < 0.2:
+                kwargs["num_lookahead_tokens"] = rng.choice((1, 3, 40))
+            if rng.random() < 0.2:
+                kwargs["reserved_blocks"] = rng.choice((1, 8, num_blocks // 2))
+            if rng.random() < 0.1:
+                kwargs["delay_cache_blocks"] = True
+            if rng.random() < 0.2:
+                kwargs["has_scheduled_reqs"] = rng.random() < 0.5
+            status = rng.choice((RequestStatus.RUNNING,) * 6 + (RequestStatus.PREEMPTED, RequestStatus.WAITING))
+            token = rng.randrange(1, 30_000)
+            results = []
+            for side in sides:
+                req = side.requests[rid]
+                req.status = status
+                out = side.allocate_slots(side.manager, req, n, **kwargs)
+                results.append(_summary(side.manager, out))
+                if out is not None:
+                    req.num_computed_tokens += n
+                    if req.num_computed_tokens >= req.num_tokens:
+                        req.append_output_token_ids(token)
+                    req.status = RequestStatus.RUNNING
+            assert results[0] == results[1], (op, "step", rid, n, kwargs, status, results)
+            counts["step"] += 1
+            counts["none"] += results[0] is None
+        assert vanilla.state() == native.state(), (op, counts)
+    counts.update(_core.allocate_slots_fast_path_state())
+    return counts
+
+
+@pytest.mark.parametrize("num_blocks,watermark", [(64, 0.0), (400, 0.05)])
+def test_native_allocate_slots_matches_vllm(num_blocks, watermark):
+    """Small pool: constant eviction, many refusals (None); larger pool with a
+    watermark: long tables, prefix hits, the waiting/preempted watermark rule."""
+    counts = _run_differential(NUM_OPS // 2, num_blocks, SEED + num_blocks, watermark)
+    print(f"\nmanager differential: seed {SEED + num_blocks}, {num_blocks} blocks: {counts}")
+    assert counts["fast_calls"] > counts["vllm_calls"] > 0
+    assert counts["free"] > 0 and (counts["none"] > 0 or num_blocks > 64)
+
+
+# -- when the native path runs, and when vLLM's does ------------------------------------
+def test_bound_by_install_and_undone_by_uninstall(monkeypatch):
+    from kvpool.patches.manager_fast_path import _vanilla
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    vanilla = KVCacheManager.allocate_slots
+    kvpool.install()
+    assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
+    assert _vanilla(KVCacheManager, "allocate_slots") is vanilla
+    import inspect
+
+    assert inspect.signature(KVCacheManager.allocate_slots) == inspect.signature(vanilla)
+    kvpool.uninstall()
+    assert KVCacheManager.allocate_slots is vanilla
+    kvpool.install(allocation="contiguous")  # the native path does what its hooks do
+    assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
+    assert _core.allocate_slots_fast_path_state()["manager_hooks"] is True
+    kvpool.uninstall()
+    monkeypatch.setenv("KVPOOL_PYTHON_MANAGER", "1")
+    kvpool.install()
+    assert KVCacheManager.allocate_slots is vanilla
+
+
+def test_the_installed_vllm_is_a_release_whose_sources_it_mirrors():
+    """0.33.0's functions hash to the recorded fingerprint; a change to any mirrored
+    function (another release) keeps vLLM's allocate_slots."""
+    from kvpool.patches import manager_fast_path as fp
+
+    assert fp.matching_release() == "0.33.0"
+    classes = fp._classes()
+
+    class Edited(classes["FullAttentionManager"]):
+        def get_num_blocks_to_allocate(self, *args, **kwargs):  # another body
+            return 0
+
+    assert fp.matching_release({**classes, "FullAttentionManager": Edited}) is None
+
+
+def _running(manager, rid="a", prompt_len=40):
+    from vllm.v1.request import RequestStatus
+
+    req = make_request(rid, list(range(1, prompt_len + 1)), max_tokens=100, block_size=BLOCK_SIZE)
+    assert manager.allocate_slots(req, prompt_len) is not None
+    req.num_computed_tokens = prompt_len
+    req.status = RequestStatus.RUNNING
+    req.append_output_token_ids(7)
+    return req
+
+
+def _calls():
+    state = _core.allocate_slots_fast_path_state()
+    return state["fast_calls"], state["vllm_calls"]
+
+
+@pytest.mark.parametrize("where", ["class", "base class", "instance"])
+def test_a_patched_skipped_method_sends_calls_to_vllm(monkeypatch, where):
+    """A method the native path skips, patched afterwards, is called again (tests and
+    other extensions patch vLLM's classes at any time)."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SingleTypeKVCacheManager
+
+    kvpool.install()
+    manager = _manager(64)
+    req = _running(manager)
+    fast, slow = _calls()
+    manager.allocate_slots(req, 1)
+    assert _calls() == (fast + 1, slow)
+    seen = []
+    single = manager.coordinator.single_type_managers[0]
+    original = SingleTypeKVCacheManager.get_num_blocks_to_allocate
+
+    def counting(self, *args, **kwargs):
+        seen.append(args[0])
+        return original(self, *args, **kwargs)
+
+    if where == "class":
+        monkeypatch.setattr(FullAttentionManager, "get_num_blocks_to_allocate", counting)
+    elif where == "base class":
+        monkeypatch.setattr(SingleTypeKVCacheManager, "get_num_blocks_to_allocate", counting)
+    else:
+        monkeypatch.setattr(single, "get_num_blocks_to_allocate", counting.__get__(single))
+    assert manager.allocate_slots(req, 1) is manager.empty_kv_cache_blocks
+    assert seen == ["a"] and _calls() == (fast + 1, slow + 1)
+    monkeypatch.undo()
+    manager.allocate_slots(req, 1)
+    assert _calls() == (fast + 2, slow + 1)
+
+
+class _Index:
+    """An int-like argument whose __index__ counts its calls (vLLM accepts it where it
+    does arithmetic; the native path must not read it differently)."""
+
+    def __init__(self, v):
+        self.v, self.reads = v, 0
+
+    def __index__(self):
+        self.reads += 1
+        return self.v
+
+    def __add__(self, other):
+        return self.v + other
+
+    __radd__ = __add__
+
+
+@pytest.mark.parametrize("arg,value", [
+    ("num_new_tokens", True), ("num_new_tokens", 2.0), ("num_lookahead_tokens", -1),
+    ("reserved_blocks", 2**70), ("delay_cache_blocks", 1), ("has_scheduled_reqs", "yes"),
+])
+def test_arguments_of_other_types_get_vllm_behaviour(arg, value):
+    """Whatever vLLM does with an odd argument (compute, raise), the call does the same:
+    the native path takes exact ints and bools only."""
+    from kvpool.patches.manager_fast_path import _vanilla
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    kvpool.install()
+    results = []
+    for call in (_vanilla(KVCacheManager, "allocate_slots"), KVCacheManager.allocate_slots):
+        manager = _manager(64)
+        req = _running(manager)
+        kwargs = {"num_new_tokens": 1, arg: value}
+        try:
+            out = call(manager, req, **kwargs)
+            results.append(_summary(manager, out))
+        except Exception as exc:  # the same exception on both
+            results.append((type(exc), str(exc)))
+        results.append([b.block_id for b in manager.coordinator.single_type_managers[0].req_to_blocks["a"]])
+    assert results[:2] == results[2:]
+
+
+def test_an_int_like_request_field_goes_to_vllm():
+    from kvpool.patches.manager_fast_path import _vanilla
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    kvpool.install()
+    manager = _manager(64)
+    req = _running(manager)
+    fast, slow = _calls()
+    req.num_computed_tokens = _Index(40)
+    try:
+        manager.allocate_slots(req, 1)
+    except TypeError:
+        pass
+    assert _calls() == (fast, slow + 1)
+
+
+# -- through vLLM's Scheduler: kvpool (native allocate_slots) against vLLM itself -------
+def _scheduler_trace(num_steps: int, num_blocks: int, seed: int) -> list:
+    from tests.support.scheduler import make_scheduler, runner_output
+
+    rng = random.Random(seed)
+    scheduler = make_scheduler(num_blocks=num_blocks, enable_prefix_caching=True)
+    manager = scheduler.kv_cache_manager
+    trace, next_id = [], 0
+    for _ in range(num_steps):
+        while len(scheduler.requests) < 16:
+            prompt = list(rng.choice(PREFIXES)) + [rng.randrange(1, 30_000) for _ in range(rng.randrange(1, 400))]
+            scheduler.add_request(make_request(f"q{next_id}", prompt, max_tokens=rng.randrange(1, 120)))
+            next_id += 1
+        out = scheduler.schedule()
+        tables = {rid: manager.get_block_ids(rid) for rid in sorted(scheduler.requests)}
+        trace.append((sorted(out.num_scheduled_tokens.items()), sorted(out.preempted_req_ids or ()),
+                      [(r.req_id, r.block_ids) for r in out.scheduled_new_reqs],
+                      tables, manager.block_pool.get_num_free_blocks()))
+        scheduler.update_from_output(out, runner_output(out))
+    return trace
+
+
+def test_scheduler_with_native_allocate_slots_matches_vllm():
+    """A never-idle stream (16 requests, shared prefixes, chunked prefill, a pool small
+    enough to preempt): every step's scheduled tokens, preemptions, new requests' block
+    ids, every table and the free count equal vLLM's own run."""
+    kvpool.uninstall()
+    vanilla = _scheduler_trace(600, 300, SEED)
+    kvpool.install()
+    fast, slow = _calls()
+    native = _scheduler_trace(600, 300, SEED)
+    fast_after, slow_after = _calls()
+    assert fast_after - fast > 3 * (slow_after - slow) > 0
+    assert any(step[1] for step in vanilla), "the pool never preempted"
+    for i, (a, b) in enumerate(zip(vanilla, native)):
+        assert a == b, f"step {i}"
+
+
+def test_native_get_block_ids_matches_vllm():
+    from kvpool.patches.manager_fast_path import _vanilla, get_block_ids_fingerprint, KNOWN_GET_BLOCK_IDS
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    assert get_block_ids_fingerprint() == KNOWN_GET_BLOCK_IDS["0.33.0"]
+    vanilla = KVCacheBlocks.get_block_ids
+    kvpool.install()
+    assert KVCacheBlocks.get_block_ids is _core.kv_cache_blocks_get_block_ids
+    assert _vanilla(KVCacheBlocks, "get_block_ids") is vanilla
+    manager = _manager(64)
+    pool = manager.block_pool
+    rng = random.Random(SEED)
+    cases = 0
+    for _ in range(300):
+        groups = tuple(rng.choice((lambda: pool.get_new_blocks(rng.randrange(0, 4)), tuple, list))()
+                       for _ in range(rng.randrange(1, 4)))
+        value = KVCacheBlocks(groups)
+        for kwargs in ({}, {"allow_none": True}, {"allow_none": 0}, {"group_ids": [0]},
+                       {"group_ids": [len(groups) - 1, 0], "allow_none": True}, {"group_ids": [5]},
+                       {"group_ids": 3}, {"allow_none": True, "group_ids": ()}):
+            results = []
+            for call in (vanilla, KVCacheBlocks.get_block_ids):
+                try:
+                    results.append(call(value, **kwargs))
+                except Exception as exc:
+                    results.append(type(exc))
+            assert results[0] == results[1], (groups, kwargs, results)
+            cases += 1
+        for group in groups:
+            if group:
+                pool.free_blocks(group)
+    kvpool.uninstall()
+    assert KVCacheBlocks.get_block_ids is vanilla
+
+
+def test_contiguous_policy_with_native_allocate_slots_matches_its_python_path(monkeypatch):
+    """Under ``allocation="contiguous"`` the native path does what the policy's manager
+    hooks do (expected length, the table's context for the pool's allocation): every
+    step equals the same policy with ``KVPOOL_PYTHON_MANAGER=1`` (vLLM's Python
+    through the hooks)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    monkeypatch.setenv("KVPOOL_PYTHON_MANAGER", "1")
+    kvpool.install(allocation="contiguous")
+    assert KVCacheManager.allocate_slots is not _core.kv_cache_manager_allocate_slots
+    python_path = _scheduler_trace(600, 300, SEED + 1)
+    kvpool.uninstall()
+    monkeypatch.delenv("KVPOOL_PYTHON_MANAGER")
+    kvpool.install(allocation="contiguous")
+    assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
+    fast, slow = _calls()
+    native = _scheduler_trace(600, 300, SEED + 1)
+    fast_after, slow_after = _calls()
+    assert fast_after - fast > 3 * (slow_after - slow) > 0
+    for i, (a, b) in enumerate(zip(python_path, native)):
+        assert a == b, f"step {i}"
