@@ -107,6 +107,11 @@ def _vanilla(cls: type, name: str):
     return func
 
 
+def _source(func) -> str:
+    """``func``'s source, dedented (raises ``OSError``/``TypeError`` when unreadable)."""
+    return textwrap.dedent(inspect.getsource(func))
+
+
 def mirrored_source(classes: dict[str, type] | None = None) -> str:
     """The sources of :data:`MIRRORED` as the installed vLLM defines them, dedented, one
     after the other under a ``# Class.method`` line (``# Class.method: absent`` when the
@@ -119,7 +124,7 @@ def mirrored_source(classes: dict[str, type] | None = None) -> str:
         if func is None:
             parts.append(f"# {cls_name}.{name}: absent\n")
             continue
-        parts.append(f"# {cls_name}.{name}\n{textwrap.dedent(inspect.getsource(func))}")
+        parts.append(f"# {cls_name}.{name}\n{_source(func)}")
     return "".join(parts)
 
 
@@ -147,7 +152,7 @@ def get_block_ids_fingerprint(kv_cache_blocks: type | None = None) -> str | None
     if kv_cache_blocks is None:
         from vllm.v1.core.kv_cache_manager import KVCacheBlocks as kv_cache_blocks
     try:
-        source = textwrap.dedent(inspect.getsource(_vanilla(kv_cache_blocks, "get_block_ids")))
+        source = _source(_vanilla(kv_cache_blocks, "get_block_ids"))
     except (OSError, TypeError):
         return None
     return hashlib.sha256(source.encode()).hexdigest()
@@ -156,7 +161,8 @@ def get_block_ids_fingerprint(kv_cache_blocks: type | None = None) -> str | None
 def apply(patcher) -> None:
     """Bind ``kvpool._core.kv_cache_manager_allocate_slots`` as
     ``KVCacheManager.allocate_slots`` when the installed vLLM's mirrored functions are a
-    known release's and the policy installs no manager hooks (called by
+    known release's (doing what the policy's manager hooks do, if it has them), and
+    ``kv_cache_blocks_get_block_ids`` when ``get_block_ids`` is (called by
     ``kvpool.install()``; undone by ``uninstall()``)."""
     from kvpool import _core
 
