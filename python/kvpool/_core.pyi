@@ -148,6 +148,7 @@ def pool_get_new_blocks(
     hint: int = -1,
     owner: int = 0,
     want: int = 0,
+    pool: Any = None,
 ) -> list[KVCacheBlock]: ...
 def pool_free_blocks(
     pool: Any, queue: FreeKVCacheBlockQueue, ordered_blocks: Iterable[KVCacheBlock], enable_caching: bool
@@ -180,8 +181,20 @@ def configure_allocate_slots_fast_path(
     coordinator_names: Iterable[str],
     single_type_names: Iterable[str],
     manager_hooks: bool = False,
+    pool_cls: type | None = None,
+    hash_map_cls: type | None = None,
+    pool_names: Iterable[str] = (),
+    cache_checks: Iterable[tuple[type, str, Any]] = (),
+    block_pool_module_dict: dict[str, Any] | None = None,
+    module_functions: Iterable[tuple[str, Any]] = (),
+    native_cache: bool = False,
+    check_prefix_cacheable: bool = True,
+    vanilla_cache_blocks: Any = None,
 ) -> None: ...
 def disable_allocate_slots_fast_path() -> None: ...
+def kv_cache_coordinator_cache_blocks(
+    self: Any, request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any
+) -> None: ...
 def kv_cache_manager_allocate_slots(
     self: Any,
     request: Any,

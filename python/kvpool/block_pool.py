@@ -223,6 +223,7 @@ class BlockPool(VllmBlockPool):
                 self.enable_caching,
                 self.cached_block_hashes_by_block,
                 self._maybe_evict_cached_block,
+                pool=self,
             )
         self._policy.after_change(self)
         return blocks
@@ -261,6 +262,7 @@ class BlockPool(VllmBlockPool):
             hint,
             owner,
             want,
+            pool=self,
         )
 
     def _needs_vllm_loop(self) -> bool:

@@ -103,10 +103,10 @@ include "free_queue.pxi"          # FreeKVCacheBlockQueue, make_pool_blocks
 include "policy_handle.pxi"       # FreeQueuePolicy: the allocation policy's handle on a queue
 include "block_table.pxi"         # BlockTable (block objects created on first use)
 include "block_lists.pxi"         # list / reversed(list) read in place
+include "manager.pxi"             # KVCacheManager.allocate_slots for a running request (issue 17)
 include "alloc.pxi"               # pool_get_new_blocks (vLLM's order and the contiguous policy)
 include "free.pxi"                # pool_free_blocks and the shared free loop
 include "touch.pxi"               # pool_touch
 include "unpin_evict.pxi"         # pool_unpin_blocks, pool_blocks_to_evict
 include "member_descriptors.pxi"  # T_OBJECT_EX descriptors for the hot fields
 include "deferred_free.pxi"       # FencedDeferredFreeQueue
-include "manager.pxi"             # KVCacheManager.allocate_slots for a running request (issue 17)

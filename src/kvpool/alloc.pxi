@@ -3,10 +3,55 @@
 # --------------------------------------------------------------------------------------
 # BlockPool hot loops (vllm/v1/core/block_pool.py, vLLM 0.33.0)
 # --------------------------------------------------------------------------------------
+cdef dict _native_evict_cache(object pool):
+    """``pool.cached_block_hash_to_block._cache`` when the pool's evictions may run
+    natively: kvpool's ``BlockPool`` with vLLM's eviction methods (checked as the
+    native cache_blocks checks its methods: ``kvpool.patches.manager_fast_path``), no
+    KV events, no metrics collector, kvpool's map; else None (vLLM's callback)."""
+    cdef _AllocateSlotsFastPath fp = _fast_path
+    if (not fp.enabled or not fp.native_cache or type(pool) is not fp.pool_cls
+            or not fp.cache_path_unchanged() or not _not_overridden(pool, fp.pool_names)
+            or pool.enable_kv_cache_events is not False or pool.metrics_collector is not None):
+        return None
+    hash_map = pool.cached_block_hash_to_block
+    if type(hash_map) is not fp.hash_map_cls:
+        return None
+    cache = hash_map._cache
+    return <dict>cache if type(cache) is dict else None
+
+
+cdef bint _evict_natively(dict cache, KVCacheBlock blk) except -1:
+    """vLLM's ``BlockPool._maybe_evict_cached_block`` for a block with one hash and no
+    extra ones, events off, no metrics collector: ``_remove_cached_block_hashes``
+    (the map's ``pop(hash, block_id)``, kvpool's ``BlockHashToBlockMap.pop``), then
+    ``reset_hash``. False, with nothing changed, when an object involved is not of
+    the types this reads without running Python code."""
+    key = blk._block_hash
+    block_id = _block_id(blk)
+    if type(key) is not bytes or type(block_id) is not int:
+        return False
+    entry = cache.get(key)
+    if entry is not None and type(entry) is not dict and (
+            type(entry) is not KVCacheBlock or type(_block_id(<KVCacheBlock>entry)) is not int):
+        return False
+    if entry is not None:
+        del cache[key]
+        if type(entry) is dict:
+            (<dict>entry).pop(block_id, None)
+            if len(<dict>entry) > 0:
+                cache[key] = entry
+        elif _block_id(<KVCacheBlock>entry) != block_id:
+            cache[key] = entry
+    blk._block_hash = None
+    blk._block_hash_num_tokens = None
+    _fast_path.native_evictions += 1
+    return True
+
+
 def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
                         bint enable_caching, dict cached_block_hashes_by_block,
                         object evict_cached_block, int32_t hint=-1, int32_t owner=0,
-                        int32_t want=0):
+                        int32_t want=0, object pool=None):
     """``BlockPool.get_new_blocks`` without per-block Python calls.
 
     Pops ``num_blocks`` from the front of the free queue (with the contiguous
@@ -17,7 +62,11 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     "Allocation policies"). For a block that still has
     a prefix-cache hash (or extra hashes in ``cached_block_hashes_by_block``) calls
     ``evict_cached_block(block)``; checks ``ref_cnt == 0`` (after the callback, as
-    vLLM's ``assert`` does) and sets it to 1. One pass over the blocks.
+    vLLM's ``assert`` does) and sets it to 1. One pass over the blocks. ``pool``: the
+    ``BlockPool`` whose ``_maybe_evict_cached_block`` is ``evict_cached_block``; where
+    that is vLLM's method on kvpool's pool without KV events or a metrics collector
+    (``_native_evict_cache``), a block's one hash is removed from the pool's map here,
+    as vLLM's ``_remove_cached_block_hashes`` does, without the Python call.
 
     Returns:
         ``list[KVCacheBlock]`` of length ``num_blocks``.
@@ -50,6 +99,8 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     cdef vector[pair[int32_t, ObjPtr]] placement  # the table order's scratch
     cdef vector[int32_t] lru_front  # with an LRU window: the LRU front, for an undo
     cdef int32_t nfront = 0
+    cdef int evict_state = 0 if pool is not None else 2   # 0 unknown, 1 native, 2 callback
+    cdef dict evict_cache = None
     if n < 0:
         raise ValueError(f"cannot get a negative number of blocks ({n})")
     if n > queue._list.size() + queue._count_offset:
@@ -129,10 +180,16 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
             i += 1
             if enable_caching and (<PyObject*>(<KVCacheBlock>o)._block_hash != none or (
                     has_extra and _block_id(<KVCacheBlock>o) in cached_block_hashes_by_block)):
-                _fold_0_to_1(&rb, n01)
-                n01 = 0
-                kvpool_refbatch_flush(&rb)
-                evict_cached_block(<object>o)
+                if evict_state == 0:
+                    evict_cache = _native_evict_cache(pool)
+                    evict_state = 1 if evict_cache is not None else 2
+                if not (evict_state == 1 and not (
+                        has_extra and _block_id(<KVCacheBlock>o) in cached_block_hashes_by_block)
+                        and _evict_natively(evict_cache, <KVCacheBlock>o)):
+                    _fold_0_to_1(&rb, n01)
+                    n01 = 0
+                    kvpool_refbatch_flush(&rb)
+                    evict_cached_block(<object>o)
             if (<KVCacheBlock>o)._ref_cnt_o == zero:
                 (<KVCacheBlock>o)._ref_cnt_o = one  # the common case, counted in n01
                 n01 += 1

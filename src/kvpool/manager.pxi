@@ -41,6 +41,7 @@ cdef class _AllocateSlotsFastPath:
     """What the fast path was configured with (one per process)."""
     cdef public object manager_cls, coordinator_cls, full_attention_cls
     cdef public object vanilla            # vLLM's KVCacheManager.allocate_slots
+    cdef public object vanilla_cache_blocks   # vLLM's KVCacheCoordinator.cache_blocks
     cdef public object waiting, preempted, status_type
     cdef public dict manager_module_dict  # vllm.v1.core.kv_cache_manager.__dict__
     cdef public tuple class_checks        # ((cls, name, function), ...)
@@ -48,30 +49,71 @@ cdef class _AllocateSlotsFastPath:
     cdef public bint enabled
     cdef public bint manager_hooks        # the policy's manager hooks are installed
     cdef public Py_ssize_t fast_calls, vllm_calls
+    # The native cache_blocks (coordinator.cache_blocks -> BlockPool.cache_full_blocks):
+    cdef public object pool_cls, hash_map_cls   # kvpool's BlockPool, BlockHashToBlockMap
+    cdef public tuple pool_names          # pool methods that must not be set on the instance
+    cdef public tuple cache_checks        # ((cls, name, function), ...) of the pool
+    cdef public dict block_pool_module_dict   # vllm.v1.core.block_pool.__dict__
+    cdef public tuple module_functions    # ((name, function), ...) in that namespace
+    cdef public bint native_cache, check_prefix_cacheable
+    cdef public Py_ssize_t native_cache_calls, vllm_cache_calls, native_evictions
     cdef unsigned int tags[3]
+    cdef unsigned int pool_tag
 
     def __init__(self):
         self.enabled = False
         self.manager_hooks = False
         self.fast_calls = 0
         self.vllm_calls = 0
+        self.native_cache = False
+        self.check_prefix_cacheable = True
+        self.native_cache_calls = 0
+        self.vllm_cache_calls = 0
+        self.native_evictions = 0
+        self.pool_names = ()
+        self.cache_checks = ()
+        self.module_functions = ()
         self.tags[0] = self.tags[1] = self.tags[2] = 0
+        self.pool_tag = 0
 
     cdef bint classes_unchanged(self):
         """True when the three classes still resolve every skipped method to vLLM's
-        function (checked through getattr after any change to them)."""
+        function (checked through getattr after any change to them; a classmethod by
+        the function it binds)."""
         if (self.tags[0] != 0 and kvpool_type_tag(<PyObject*>self.manager_cls) == self.tags[0]
                 and kvpool_type_tag(<PyObject*>self.coordinator_cls) == self.tags[1]
                 and kvpool_type_tag(<PyObject*>self.full_attention_cls) == self.tags[2]):
             return True
-        for cls, name, func in self.class_checks:
-            if getattr(cls, name, None) is not func:
-                self.tags[0] = 0
-                return False
+        if not _resolve_to(self.class_checks):
+            self.tags[0] = 0
+            return False
         self.tags[0] = kvpool_type_tag(<PyObject*>self.manager_cls)
         self.tags[1] = kvpool_type_tag(<PyObject*>self.coordinator_cls)
         self.tags[2] = kvpool_type_tag(<PyObject*>self.full_attention_cls)
         return True
+
+    cdef bint cache_path_unchanged(self):
+        """The same for what the native cache_blocks skips: kvpool's pool class (and
+        vLLM's, its base) and the functions of vLLM's block_pool module namespace."""
+        cdef dict d = self.block_pool_module_dict
+        for name, func in self.module_functions:
+            if d.get(name) is not func:
+                return False
+        if self.pool_tag != 0 and kvpool_type_tag(<PyObject*>self.pool_cls) == self.pool_tag:
+            return True
+        if not _resolve_to(self.cache_checks):
+            self.pool_tag = 0
+            return False
+        self.pool_tag = kvpool_type_tag(<PyObject*>self.pool_cls)
+        return True
+
+
+cdef bint _resolve_to(tuple checks):
+    for cls, name, func in checks:
+        attr = getattr(cls, name, None)
+        if attr is not func and getattr(attr, "__func__", None) is not func:
+            return False
+    return True
 
 
 cdef _AllocateSlotsFastPath _fast_path = _AllocateSlotsFastPath()
@@ -79,21 +121,38 @@ cdef _AllocateSlotsFastPath _fast_path = _AllocateSlotsFastPath()
 
 def allocate_slots_fast_path_state():
     """The fast path's configuration and counters (tests, ``kvpool info``):
-    ``{"enabled", "manager_hooks", "fast_calls", "vllm_calls"}``."""
+    ``{"enabled", "manager_hooks", "fast_calls", "vllm_calls", "native_cache",
+    "native_cache_calls", "vllm_cache_calls", "native_evictions"}`` (``*_cache_calls``:
+    a one-group coordinator's ``cache_blocks`` done natively / by vLLM's code;
+    ``native_evictions``: cached blocks that ``pool_get_new_blocks`` evicted itself)."""
     return {"enabled": _fast_path.enabled, "manager_hooks": _fast_path.manager_hooks,
-            "fast_calls": _fast_path.fast_calls, "vllm_calls": _fast_path.vllm_calls}
+            "fast_calls": _fast_path.fast_calls, "vllm_calls": _fast_path.vllm_calls,
+            "native_cache": _fast_path.native_cache,
+            "native_cache_calls": _fast_path.native_cache_calls,
+            "vllm_cache_calls": _fast_path.vllm_cache_calls,
+            "native_evictions": _fast_path.native_evictions}
 
 
 def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_attention_cls,
                                        vanilla, waiting, preempted, manager_module_dict,
                                        class_checks, manager_names, coordinator_names,
-                                       single_type_names, manager_hooks=False):
+                                       single_type_names, manager_hooks=False,
+                                       pool_cls=None, hash_map_cls=None, pool_names=(),
+                                       cache_checks=(), block_pool_module_dict=None,
+                                       module_functions=(), native_cache=False,
+                                       check_prefix_cacheable=True, vanilla_cache_blocks=None):
     """Arm :func:`kv_cache_manager_allocate_slots` (called by
     ``kvpool.patches.manager_fast_path``; ``disable_allocate_slots_fast_path`` undoes it).
 
     ``class_checks``: ``(class, name, function)`` triples that must hold for a call to
-    take the native path; ``*_names``: method names that must not be overridden on the
-    manager / coordinator / single-type manager instances.
+    take the native path (a classmethod: the function it binds); ``*_names``: method
+    names that must not be overridden on the manager / coordinator / single-type
+    manager / pool instances. ``native_cache``: the fast path's ``cache_blocks`` runs
+    natively for a pool of type ``pool_cls`` whose map is a ``hash_map_cls``, while
+    ``cache_checks`` hold, ``module_functions`` are ``block_pool_module_dict``'s and
+    ``pool_names`` are not set on the pool
+    (``check_prefix_cacheable``: the release's ``SingleTypeKVCacheManager.cache_blocks``
+    returns early for a spec that is not ``prefix_cacheable``, as 0.33.0's does).
     """
     _fast_path.manager_cls = manager_cls
     _fast_path.coordinator_cls = coordinator_cls
@@ -108,9 +167,24 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
     _fast_path.coordinator_names = tuple(coordinator_names)
     _fast_path.single_type_names = tuple(single_type_names)
     _fast_path.manager_hooks = manager_hooks
+    _fast_path.pool_cls = pool_cls
+    _fast_path.hash_map_cls = hash_map_cls
+    _fast_path.pool_names = tuple(pool_names)
+    _fast_path.cache_checks = tuple(cache_checks)
+    _fast_path.block_pool_module_dict = block_pool_module_dict
+    _fast_path.module_functions = tuple(module_functions)
+    _fast_path.native_cache = (bool(native_cache) and pool_cls is not None
+                               and hash_map_cls is not None
+                               and block_pool_module_dict is not None)
+    _fast_path.vanilla_cache_blocks = vanilla_cache_blocks
+    _fast_path.pool_tag = 0
+    _fast_path.check_prefix_cacheable = check_prefix_cacheable
     _fast_path.tags[0] = 0
     _fast_path.fast_calls = 0
     _fast_path.vllm_calls = 0
+    _fast_path.native_cache_calls = 0
+    _fast_path.vllm_cache_calls = 0
+    _fast_path.native_evictions = 0
     _fast_path.enabled = True
 
 
@@ -289,13 +363,176 @@ cdef object _allocate_slots_native(self, request, num_new_tokens, num_new_comput
                 # block is larger than the hash block: then every call caches.)
                 if (not _nonneg(cached, &n_cached) or n_cached < n_cache // block_size
                         or mgr.block_pool.hash_block_size != mgr.block_size):
-                    coordinator.cache_blocks(request, n_cache)
+                    if not _cache_blocks_native(fp, coordinator, mgr, request, request_id,
+                                                n_cache):
+                        coordinator.cache_blocks(request, n_cache)
     # create_kv_cache_blocks((new_blocks,))
     if not new_blocks:
         return self.empty_kv_cache_blocks
     return fp.manager_module_dict["KVCacheBlocks"]((new_blocks,))
 
 
+
+
+def kv_cache_coordinator_cache_blocks(self, request, num_computed_tokens, *args, **kwargs):
+    """``KVCacheCoordinator.cache_blocks`` (vllm/v1/core/kv_cache_coordinator.py, vLLM
+    0.30.0-0.33.0) as ``UnitaryKVCacheCoordinator.cache_blocks``: for one full-attention
+    group, the blocks of ``request`` that ``num_computed_tokens`` (tokens, including
+    those already cached) fill are hashed and inserted into the prefix cache natively
+    (see ``_cache_blocks_native``); every other call (another coordinator or manager
+    type, a patched method, events on, an argument of another type) is vLLM's. Returns
+    None, raises what vLLM's raises."""
+    cdef _AllocateSlotsFastPath fp = _fast_path
+    cdef long long n
+    if fp.enabled and fp.native_cache and not args and not kwargs \
+            and type(self) is fp.coordinator_cls and _nonneg(num_computed_tokens, &n):
+        managers = self.single_type_managers
+        if type(managers) is tuple and len(<tuple>managers) == 1:
+            mgr = (<tuple>managers)[0]
+            request_id = request.request_id
+            if (type(mgr) is fp.full_attention_cls and type(request_id) is str
+                    and fp.classes_unchanged()
+                    and _not_overridden(self, fp.coordinator_names)
+                    and _not_overridden(mgr, fp.single_type_names)
+                    and _cache_blocks_native(fp, self, mgr, request, <str>request_id, n)):
+                return None
+    fp.vllm_cache_calls += 1
+    return fp.vanilla_cache_blocks(self, request, num_computed_tokens, *args, **kwargs)
+
+
+cdef extern from "Python.h":
+    object PyBytes_FromStringAndSize(const char* v, Py_ssize_t n)
+
+
+cdef bint _cache_blocks_native(_AllocateSlotsFastPath fp, coordinator, mgr, request,
+                               str request_id, long long num_computed_tokens) except -1:
+    """``coordinator.cache_blocks(request, num_computed_tokens)`` for the fast path's
+    shape, natively: True when done (vLLM's result exactly), False before any side
+    effect when the call is vLLM's to make.
+
+    Mirrors, for one ``FullAttentionManager`` whose block size is the hash block size
+    and a pool without KV events (vLLM 0.30.0 and 0.33.0, fingerprinted with the rest):
+    ``KVCacheCoordinator.cache_blocks`` (tokens less ``num_reprefillable_tokens``),
+    ``SingleTypeKVCacheManager.cache_blocks`` (``num_full_blocks``; full attention's
+    ``reachable_block_mask`` is None), ``BlockPool.cache_full_blocks`` and
+    ``_insert_block_hash`` (each new full block's hash, ``make_block_hash_with_group_id``:
+    the hash and the group id as 4 big-endian bytes, set on the block and inserted into
+    the pool's ``BlockHashToBlockMap``). A block that already has a hash (vLLM's
+    partial-to-full promotion), a block, map, hash or count of another type, an event
+    queue, a pool subclass or a patched pool method: vLLM's code.
+    """
+    cdef long long reprefill, num_tokens, num_cached, num_full, group_id, i, bs, bid
+    cdef Py_ssize_t n_hashes
+    cdef KVCacheBlock blk
+    cdef PyObject* null_o
+    cdef unsigned char suffix_buf[4]
+    cdef list blocks, block_hashes
+    cdef dict cache, num_cached_block
+    if not fp.native_cache:
+        return False
+    pool = mgr.block_pool
+    if (type(pool) is not fp.pool_cls or not fp.cache_path_unchanged()
+            or not _not_overridden(pool, fp.pool_names)
+            or pool.enable_kv_cache_events is not False
+            or not _nonneg(mgr.block_size, &bs) or bs == 0
+            or not _nonneg(pool.hash_block_size, &i) or i != bs
+            or not _nonneg(coordinator.num_reprefillable_tokens, &reprefill)
+            or not _nonneg(mgr.kv_cache_group_id, &group_id)
+            or group_id >= (<long long>1 << 32)):
+        return False
+    if mgr.enable_caching is not True:
+        return False
+    if fp.check_prefix_cacheable and mgr.kv_cache_spec.prefix_cacheable is not True:
+        return False
+    hash_map = pool.cached_block_hash_to_block
+    if type(hash_map) is not fp.hash_map_cls:
+        return False
+    cache_o = hash_map._cache
+    num_cached_block_o = mgr.num_cached_block
+    block_hashes_o = request.block_hashes
+    if (type(cache_o) is not dict or type(num_cached_block_o) is not dict
+            or type(block_hashes_o) is not list):
+        return False
+    cache = <dict>cache_o
+    num_cached_block = <dict>num_cached_block_o
+    block_hashes = <list>block_hashes_o
+    # KVCacheCoordinator.cache_blocks / get_num_cacheable_tokens
+    num_tokens = num_computed_tokens - reprefill
+    if num_tokens < 0:
+        num_tokens = 0
+    # SingleTypeKVCacheManager.cache_blocks
+    if not _nonneg(num_cached_block.get(request_id, 0), &num_cached):
+        return False
+    num_full = num_tokens // bs
+    n_hashes = len(block_hashes)
+    if num_full > n_hashes:
+        return False        # (0.33.0 caps at the hashed tokens; 0.30.0 would index past them)
+    if num_cached >= num_full:
+        return True
+    blocks_o = mgr.req_to_blocks.get(request_id)
+    if type(blocks_o) is not list or len(<list>blocks_o) < num_full:
+        return False
+    blocks = <list>blocks_o
+    # Everything the loop reads is checked before anything changes.
+    for i in range(num_cached, num_full):
+        b = blocks[i]
+        if type(b) is not KVCacheBlock:
+            return False
+        blk = <KVCacheBlock>b
+        null_o = blk._is_null_o
+        if null_o != kvpool_false() and null_o != kvpool_true():
+            return False
+        if null_o == kvpool_true():
+            continue
+        if (blk._block_hash is not None or blk._block_hash_num_tokens is not None
+                or type(block_hashes[i]) is not bytes or blk._block_id_o is NULL
+                or type(<object>blk._block_id_o) is not int):
+            return False
+    suffix_buf[0] = (group_id >> 24) & 0xFF
+    suffix_buf[1] = (group_id >> 16) & 0xFF
+    suffix_buf[2] = (group_id >> 8) & 0xFF
+    suffix_buf[3] = group_id & 0xFF
+    suffix = PyBytes_FromStringAndSize(<const char*>suffix_buf, 4)
+    fp.native_cache_calls += 1
+    for i in range(num_cached, num_full):
+        blk = <KVCacheBlock>blocks[i]
+        if blk._is_null_o == kvpool_true():
+            continue
+        if blk._block_hash is not None:
+            # Only if the table holds one block twice (checked None above, hashed by
+            # this loop): vLLM's own cache_full_blocks for the rest, which is what it
+            # would have done with these blocks (no events, no mask: block by block).
+            pool.cache_full_blocks(request, blocks, i, num_full, bs, group_id)
+            break
+        key = <bytes>block_hashes[i] + suffix
+        block_id = <object>blk._block_id_o
+        # BlockHashToBlockMap.contain (kvpool.block_pool): already there -> skipped
+        entry = cache.get(key)
+        entry_id = None
+        if entry is not None and type(entry) is not dict:
+            entry_id = _block_id(<KVCacheBlock>entry) if type(entry) is KVCacheBlock else None
+            if type(entry_id) is not int:
+                # An entry this loop cannot read without running Python code (which
+                # could change the table it walks): vLLM's own code for the rest.
+                pool.cache_full_blocks(request, blocks, i, num_full, bs, group_id)
+                break
+        if entry is not None:
+            if type(entry) is dict:
+                if block_id in <dict>entry:
+                    continue
+            elif entry_id == block_id:
+                continue
+        # KVCacheBlock.set_block_hash, then BlockHashToBlockMap.insert
+        blk._block_hash = key
+        blk._block_hash_num_tokens = (i + 1) * bs
+        if entry is None:
+            cache[key] = blk
+        elif type(entry) is dict:
+            (<dict>entry)[block_id] = blk
+        else:
+            cache[key] = {entry_id: entry, block_id: blk}
+    num_cached_block[request_id] = num_full
+    return True
 
 
 def kv_cache_blocks_get_block_ids(self, allow_none=False, *, group_ids=None):

@@ -69,24 +69,42 @@ class _Side:
 
     def state(self):
         single = self.manager.coordinator.single_type_managers[0]
+        pool = self.manager.block_pool
         tables = {rid: [b.block_id for b in blocks] for rid, blocks in single.req_to_blocks.items()}
+        hashes = {rid: [(b.block_hash, b.block_hash_num_tokens) for b in blocks]
+                  for rid, blocks in single.req_to_blocks.items()}
+        cached = {key: sorted(v) if isinstance(v, dict) else [v.block_id]
+                  for key, v in pool.cached_block_hash_to_block._cache.items()}
         events = [repr(e) for e in self.manager.take_events()]
-        return (tables, dict(single.num_cached_block), self.manager.block_pool.get_num_free_blocks(),
+        return (tables, hashes, cached, dict(single.num_cached_block), pool.get_num_free_blocks(),
                 self.manager.take_new_block_ids(), events)
 
 
-def _run_differential(num_ops: int, num_blocks: int, seed: int, watermark: float = 0.0) -> dict:
+def _run_differential(num_ops: int, num_blocks: int, seed: int, watermark: float = 0.0,
+                      events: bool = True) -> dict:
+    from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
     from vllm.v1.request import RequestStatus
+
+    from kvpool.block_pool import VllmBlockPool
+    from kvpool.patches.manager_fast_path import _vanilla
 
     rng = random.Random(seed)
     kvpool.install()
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
-    options = dict(enable_kv_cache_events=True, watermark=watermark)
+    assert UnitaryKVCacheCoordinator.cache_blocks is _core.kv_cache_coordinator_cache_blocks
+    options = dict(enable_kv_cache_events=events, watermark=watermark)
     # Both on kvpool's pool (itself checked against vLLM's by tests/pool): what differs
-    # is only the allocate_slots that runs.
+    # is only the allocate_slots and the coordinator's cache_blocks that run (vLLM's on
+    # the vanilla side: bound on its coordinator).
     vanilla = _Side(_manager(num_blocks, **options), _vanilla_allocate_slots())
+    coordinator = vanilla.manager.coordinator
+    coordinator.cache_blocks = _vanilla(UnitaryKVCacheCoordinator, "cache_blocks").__get__(coordinator)
+    # ... and vLLM's eviction callback for every cached block its pool hands out (the
+    # native side's pool evicts them itself).
+    pool = vanilla.manager.block_pool
+    pool._maybe_evict_cached_block = VllmBlockPool._maybe_evict_cached_block.__get__(pool)
     native = _Side(_manager(num_blocks, **options), KVCacheManager.allocate_slots)
     sides = (vanilla, native)
     live: list[str] = []
@@ -158,14 +176,25 @@ def _run_differential(num_ops: int, num_blocks: int, seed: int, watermark: float
     return counts
 
 
+@pytest.mark.parametrize("events", [True, False], ids=["kv-events", "no-events"])
 @pytest.mark.parametrize("num_blocks,watermark", [(64, 0.0), (400, 0.05)])
-def test_native_allocate_slots_matches_vllm(num_blocks, watermark):
+def test_native_allocate_slots_matches_vllm(num_blocks, watermark, events):
     """Small pool: constant eviction, many refusals (None); larger pool with a
-    watermark: long tables, prefix hits, the waiting/preempted watermark rule."""
-    counts = _run_differential(NUM_OPS // 2, num_blocks, SEED + num_blocks, watermark)
-    print(f"\nmanager differential: seed {SEED + num_blocks}, {num_blocks} blocks: {counts}")
+    watermark: long tables, prefix hits, the waiting/preempted watermark rule. With KV
+    events the blocks are cached by vLLM's cache_full_blocks (the events are compared);
+    without, natively (every block's hash and the hash map are compared; the vanilla
+    side's pool evicts through vLLM's callback, the native side's in kvpool's loop)."""
+    counts = _run_differential(NUM_OPS // 4, num_blocks, SEED + num_blocks, watermark, events)
+    print(f"\nmanager differential: seed {SEED + num_blocks}, {num_blocks} blocks, "
+          f"events {events}: {counts}")
     assert counts["fast_calls"] > counts["vllm_calls"] > 0
     assert counts["free"] > 0 and (counts["none"] > 0 or num_blocks > 64)
+    if events:
+        assert counts["native_cache_calls"] == 0 < counts["vllm_cache_calls"]
+        assert counts["native_evictions"] == 0
+    else:
+        assert counts["native_cache_calls"] > 10 * counts["vllm_cache_calls"]
+        assert counts["native_evictions"] > 100
 
 
 # -- when the native path runs, and when vLLM's does ------------------------------------
@@ -253,6 +282,143 @@ def test_a_patched_skipped_method_sends_calls_to_vllm(monkeypatch, where):
     monkeypatch.undo()
     manager.allocate_slots(req, 1)
     assert _calls() == (fast + 2, slow + 1)
+
+
+
+def _cache_calls():
+    state = _core.allocate_slots_fast_path_state()
+    return state["native_cache_calls"], state["vllm_cache_calls"]
+
+
+def _fill_a_block(manager, req):
+    """Decode until the request's next block fills: allocate_slots caches it."""
+    for _ in range(BLOCK_SIZE):
+        assert manager.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+        req.append_output_token_ids(7)
+
+
+@pytest.mark.parametrize("where", ["pool class", "vLLM's pool class", "pool instance", "module function"])
+def test_a_patched_caching_function_is_called(monkeypatch, where):
+    """What the native cache_blocks skips (the pool's cache_full_blocks, patched on
+    kvpool's pool class, on vLLM's, on the instance as the replay's probe does; the hash
+    function in vLLM's block_pool namespace) is called again once patched, for the
+    running request's cache (the native allocate_slots) and a new request's (vLLM's
+    allocate_slots through the coordinator)."""
+    from vllm.v1.core import block_pool as vllm_block_pool
+
+    from kvpool.block_pool import BlockPool, VllmBlockPool
+
+    kvpool.install()
+    manager = _manager(64)
+    req = _running(manager)
+    native, vllm = _cache_calls()
+    _fill_a_block(manager, req)
+    assert _cache_calls() == (native + 1, vllm)
+    pool = manager.block_pool
+    seen = []
+    if where == "module function":
+        original = vllm_block_pool.make_block_hash_with_group_id
+
+        def counting(*args):
+            seen.append(args)
+            return original(*args)
+
+        monkeypatch.setattr(vllm_block_pool, "make_block_hash_with_group_id", counting)
+    else:
+        original = VllmBlockPool.cache_full_blocks
+
+        def counting(self, *args, **kwargs):
+            seen.append(args)
+            return original(self, *args, **kwargs)
+
+        if where == "pool class":
+            monkeypatch.setattr(BlockPool, "cache_full_blocks", counting)
+        elif where == "vLLM's pool class":
+            monkeypatch.setattr(VllmBlockPool, "cache_full_blocks", counting)
+        else:
+            monkeypatch.setattr(pool, "cache_full_blocks", counting.__get__(pool))
+    _fill_a_block(manager, req)
+    assert seen and _cache_calls()[0] == native + 1
+    seen.clear()
+    other = make_request("b", list(range(1, 41)), max_tokens=100, block_size=BLOCK_SIZE)
+    assert manager.allocate_slots(other, 40) is not None     # a new request: vLLM's path
+    assert seen and _cache_calls()[0] == native + 1
+    monkeypatch.undo()
+    _fill_a_block(manager, req)
+    assert _cache_calls()[0] == native + 2
+
+
+
+def test_a_map_entry_of_another_type_is_read_by_vllms_code():
+    """A prefix-cache entry that is not a kvpool block (reading its ``block_id`` could run
+    Python code that changes the table the native loop walks) hands the rest of the
+    call to vLLM's ``cache_full_blocks``, which reads it as vLLM does."""
+    kvpool.install()
+    manager = _manager(64)
+    req = _running(manager)
+    single = manager.coordinator.single_type_managers[0]
+    reads = []
+
+    class Foreign:
+        @property
+        def block_id(self):
+            reads.append(1)
+            return -5
+
+    # Decode until the next block's hash exists (its last token appended), then put a
+    # foreign entry under that hash (group 0) before the step that caches the block.
+    next_block = single.num_cached_block["a"]
+    cache = manager.block_pool.cached_block_hash_to_block._cache
+    key = None
+    for _ in range(2 * BLOCK_SIZE):
+        if key is None and len(req.block_hashes) > next_block:
+            key = req.block_hashes[next_block] + (0).to_bytes(4, "big")
+            cache[key] = Foreign()
+        assert manager.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+        req.append_output_token_ids(7)
+    assert key is not None and reads, "vLLM's code did not read the foreign entry"
+    block = single.req_to_blocks["a"][next_block]
+    assert isinstance(cache[key], dict) and cache[key][block.block_id] is block
+    assert single.num_cached_block["a"] > next_block
+
+
+def test_native_cache_blocks_bound_by_install_and_undone_by_uninstall():
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator, UnitaryKVCacheCoordinator
+
+    assert "cache_blocks" not in vars(UnitaryKVCacheCoordinator)
+    kvpool.install()
+    assert UnitaryKVCacheCoordinator.cache_blocks is _core.kv_cache_coordinator_cache_blocks
+    assert _core.allocate_slots_fast_path_state()["native_cache"] is True
+    kvpool.uninstall()
+    assert "cache_blocks" not in vars(UnitaryKVCacheCoordinator)
+    assert UnitaryKVCacheCoordinator.cache_blocks is KVCacheCoordinator.cache_blocks
+
+
+def test_a_method_wrapped_by_other_code_keeps_vllms_python(monkeypatch):
+    """A mirrored method wrapped with functools.wraps before install (its source reads
+    as vLLM's): the native path would skip the wrapper, so it is not bound."""
+    import functools
+
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    original = SingleTypeKVCacheManager.cache_blocks
+    seen = []
+
+    @functools.wraps(original)
+    def traced(self, *args, **kwargs):
+        seen.append(args[0].request_id)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(SingleTypeKVCacheManager, "cache_blocks", traced)
+    kvpool.install()
+    assert KVCacheManager.allocate_slots is not _core.kv_cache_manager_allocate_slots
+    manager = _manager(64)
+    req = _running(manager)
+    _fill_a_block(manager, req)
+    assert "a" in seen
 
 
 class _Index:

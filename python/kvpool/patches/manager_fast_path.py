@@ -12,9 +12,16 @@ how many blocks the request's next tokens need, usually none. It was about a thi
 the scheduler step's CPU in the profile of docs/performance.md.
 
 ``kvpool._core.kv_cache_manager_allocate_slots`` (``src/kvpool/manager.pxi``) does that
-arithmetic in C and calls vLLM's own pool and coordinator methods (``get_num_free_blocks``,
-``get_new_blocks``, ``cache_blocks``) whenever a block is allocated or cached, so the
-pool, the hash map, KV events and the tables change exactly as in vLLM. Every other
+arithmetic in C and calls the pool's own methods (``get_num_free_blocks``,
+``get_new_blocks``) whenever a block is allocated, so the pool, the tables and KV events
+change exactly as in vLLM. When blocks become full it caches them natively too
+(``kv_cache_coordinator_cache_blocks``, also bound as
+``UnitaryKVCacheCoordinator.cache_blocks``, which vLLM's ``allocate_slots`` calls for a
+new request): the four Python layers from the coordinator to
+``BlockPool._insert_block_hash`` become one loop that sets each new full block's hash
+and inserts it into kvpool's ``BlockHashToBlockMap``, for a pool without KV events
+whose caching methods are vLLM's (with events, a block already hashed, a patched pool
+method: vLLM's code). Every other
 call goes to vLLM's ``allocate_slots`` unchanged: a waiting or preempted request, a
 prefix hit, external or encoder tokens, ``full_sequence_must_fit``, a subclass of the
 manager, a coordinator or single-type manager of any other type, a pending
@@ -38,6 +45,7 @@ import hashlib
 import inspect
 import logging
 import textwrap
+from typing import Any
 
 from kvpool import allocation, envs
 
@@ -45,7 +53,10 @@ logger = logging.getLogger("vllm.kvpool")
 
 #: The vLLM functions whose behaviour the native path reproduces, as
 #: ``(class name, method name)``; the class is where the call resolves
-#: (``UnitaryKVCacheCoordinator``'s methods come from ``KVCacheCoordinator``).
+#: (``UnitaryKVCacheCoordinator``'s methods come from ``KVCacheCoordinator``);
+#: ``block_pool`` / ``kv_cache_coordinator``: a function of that vLLM module's namespace
+#: (``vllm.v1.core.block_pool``'s are the names its ``BlockPool`` calls); ``BlockPool``:
+#: vLLM's class, which kvpool's pool inherits these methods from.
 MIRRORED: tuple[tuple[str, str], ...] = (
     ("KVCacheManager", "allocate_slots"),
     ("KVCacheManager", "create_kv_cache_blocks"),
@@ -61,14 +72,25 @@ MIRRORED: tuple[tuple[str, str], ...] = (
     ("FullAttentionManager", "get_num_blocks_to_allocate"),
     ("FullAttentionManager", "allocate_new_blocks"),
     ("FullAttentionManager", "cache_blocks"),
+    ("FullAttentionManager", "reachable_block_mask"),
     ("SingleTypeKVCacheManager", "cache_blocks"),
+    # What the native cache_blocks reproduces below the single-type manager:
+    ("BlockPool", "cache_full_blocks"),
+    ("BlockPool", "_insert_block_hash"),
+    # ... and what the native eviction of kvpool's pool_get_new_blocks does:
+    ("BlockPool", "_maybe_evict_cached_block"),
+    ("BlockPool", "_remove_cached_block_hashes"),
+    ("BlockPool", "_emit_block_removed_events"),
+    ("block_pool", "make_block_hash_with_group_id"),
+    ("block_pool", "resolve_block_hashes"),
+    ("kv_cache_coordinator", "replay_boundaries"),
 )
 
 #: sha256 of :func:`mirrored_source` per vLLM release whose functions the native path
 #: was written against and checked with that release's own tests (docs/conformance.md).
 KNOWN_SOURCES: dict[str, str] = {
-    "0.33.0": "20d7d206cd7a7a3d70dd7544f7999405bf79b92ce0c19cc4e999d9f64f40a5ba",
-    "0.30.0": "84172f12f7345ed48f39d9e227a75a14bcc710e1253ae218da537dd3f336400d",
+    "0.33.0": "15779d6796d00276c72c98430b938335b0439dad96af60964937da1eb99eb6e2",
+    "0.30.0": "7655648479474b363cdaaa1cd52f0b596396f6e749fd85fee4f61ec3b53124d7",
 }
 
 #: sha256 of the source of ``KVCacheBlocks.get_block_ids`` per release whose function
@@ -88,14 +110,30 @@ _SINGLE_TYPE_NAMES = ("remove_skipped_blocks", "get_num_skipped_tokens",
                       "_cache_partial_tail_block", "reachable_block_mask")
 
 
-def _classes() -> dict[str, type]:
-    from vllm.v1.core import kv_cache_coordinator, kv_cache_manager, single_type_kv_cache_manager
+# Pool methods the native cache_blocks skips, which must not be set on the pool instance
+# (the replay's probe, for one, wraps cache_full_blocks there).
+_POOL_NAMES = ("cache_full_blocks", "_insert_block_hash", "_maybe_evict_cached_block",
+               "_remove_cached_block_hashes", "_emit_block_removed_events")
+
+
+def _classes() -> dict[str, Any]:
+    from vllm.v1.core import (
+        block_pool,
+        kv_cache_coordinator,
+        kv_cache_manager,
+        single_type_kv_cache_manager,
+    )
+
+    from kvpool.block_pool import VllmBlockPool
 
     return {
         "KVCacheManager": kv_cache_manager.KVCacheManager,
         "UnitaryKVCacheCoordinator": kv_cache_coordinator.UnitaryKVCacheCoordinator,
         "FullAttentionManager": single_type_kv_cache_manager.FullAttentionManager,
         "SingleTypeKVCacheManager": single_type_kv_cache_manager.SingleTypeKVCacheManager,
+        "BlockPool": VllmBlockPool,
+        "block_pool": block_pool,
+        "kv_cache_coordinator": kv_cache_coordinator,
     }
 
 
@@ -105,6 +143,25 @@ def _vanilla(cls: type, name: str):
     while func is not None and hasattr(func, "__kvpool_wrapped__"):
         func = func.__kvpool_wrapped__
     return func
+
+
+#: MIRRORED's classes that every native call checks (through their version tags); vLLM's
+#: ``BlockPool`` methods (through kvpool's pool) and the module functions are checked
+#: by the native cache_blocks, which alone skips them.
+_CHECKED_CLASSES = ("KVCacheManager", "UnitaryKVCacheCoordinator", "FullAttentionManager",
+                    "SingleTypeKVCacheManager")
+
+
+def _bound_function(cls: type, name: str):
+    """What ``cls.name`` resolves to, a classmethod by the function it binds."""
+    attr = getattr(cls, name, None)
+    return getattr(attr, "__func__", attr)
+
+
+def _foreign_wrapper(attr) -> bool:
+    """``attr`` wraps another function (``__wrapped__``) and is not kvpool's wrapper."""
+    func = getattr(attr, "__func__", attr)
+    return hasattr(func, "__wrapped__") and not hasattr(func, "__kvpool_wrapped__")
 
 
 def _source(func) -> str:
@@ -158,12 +215,44 @@ def get_block_ids_fingerprint(kv_cache_blocks: type | None = None) -> str | None
     return hashlib.sha256(source.encode()).hexdigest()
 
 
+def _bind_get_block_ids(patcher, kv_cache_blocks: type) -> None:
+    """``kv_cache_blocks_get_block_ids`` as ``KVCacheBlocks.get_block_ids`` where the
+    installed source is one it compiles (:data:`KNOWN_GET_BLOCK_IDS`)."""
+    from kvpool import _core
+
+    patcher.require(kv_cache_blocks, "get_block_ids")
+    fingerprint = get_block_ids_fingerprint(kv_cache_blocks)
+    if fingerprint is not None and fingerprint in KNOWN_GET_BLOCK_IDS.values():
+        fast_ids = _core.kv_cache_blocks_get_block_ids
+        fast_ids.__wrapped__ = fast_ids.__kvpool_wrapped__ = kv_cache_blocks.get_block_ids
+        patcher.set_attr(kv_cache_blocks, "get_block_ids", fast_ids)
+
+
+def _bind_cache_blocks(patcher, classes: dict[str, Any]) -> bool:
+    """``kv_cache_coordinator_cache_blocks`` as ``UnitaryKVCacheCoordinator.cache_blocks``
+    (vLLM's ``allocate_slots`` calls it for a waiting request, the native path for a
+    running one) while kvpool's pool inherits vLLM's caching methods unwrapped; True
+    when bound (the native cache_blocks is then armed too)."""
+    from kvpool import _core
+    from kvpool.block_pool import BlockPool
+
+    if not all(getattr(BlockPool, n, None) is _vanilla(classes["BlockPool"], n) for n in _POOL_NAMES):
+        return False
+    coordinator_cls = classes["UnitaryKVCacheCoordinator"]
+    fast_cache = _core.kv_cache_coordinator_cache_blocks
+    fast_cache.__wrapped__ = fast_cache.__kvpool_wrapped__ = coordinator_cls.cache_blocks
+    patcher.set_attr(coordinator_cls, "cache_blocks", fast_cache)
+    return True
+
+
 def apply(patcher) -> None:
     """Bind ``kvpool._core.kv_cache_manager_allocate_slots`` as
-    ``KVCacheManager.allocate_slots`` when the installed vLLM's mirrored functions are a
-    known release's (doing what the policy's manager hooks do, if it has them), and
-    ``kv_cache_blocks_get_block_ids`` when ``get_block_ids`` is (called by
-    ``kvpool.install()``; undone by ``uninstall()``)."""
+    ``KVCacheManager.allocate_slots`` and ``kv_cache_coordinator_cache_blocks`` as
+    ``UnitaryKVCacheCoordinator.cache_blocks`` when the installed vLLM's mirrored
+    functions are a known release's and none is wrapped by other code (doing what the
+    policy's manager hooks do, if it has them), and ``kv_cache_blocks_get_block_ids``
+    when ``get_block_ids`` is (called by ``kvpool.install()``; undone by
+    ``uninstall()``)."""
     from kvpool import _core
 
     _core.disable_allocate_slots_fast_path()
@@ -172,12 +261,7 @@ def apply(patcher) -> None:
     from vllm.v1.core import kv_cache_manager
     from vllm.v1.request import RequestStatus
 
-    patcher.require(kv_cache_manager.KVCacheBlocks, "get_block_ids")
-    fingerprint = get_block_ids_fingerprint(kv_cache_manager.KVCacheBlocks)
-    if fingerprint is not None and fingerprint in KNOWN_GET_BLOCK_IDS.values():
-        fast_ids = _core.kv_cache_blocks_get_block_ids
-        fast_ids.__wrapped__ = fast_ids.__kvpool_wrapped__ = kv_cache_manager.KVCacheBlocks.get_block_ids
-        patcher.set_attr(kv_cache_manager.KVCacheBlocks, "get_block_ids", fast_ids)
+    _bind_get_block_ids(patcher, kv_cache_manager.KVCacheBlocks)
     classes = _classes()
     patcher.require(classes["KVCacheManager"], "allocate_slots", "create_kv_cache_blocks")
     release = matching_release(classes)
@@ -186,13 +270,25 @@ def apply(patcher) -> None:
                     "allocate_slots and the methods it calls are not those of a release "
                     "kvpool's native path was checked against (%s)", ", ".join(KNOWN_SOURCES))
         return
-    class_checks = [(classes[c], n, getattr(classes[c], n, None)) for c, n in MIRRORED
-                    if c != "KVCacheManager" or n != "allocate_slots"]
+    foreign = [f"{c}.{n}" for c, n in MIRRORED if _foreign_wrapper(getattr(classes[c], n, None))]
+    if foreign:
+        # functools.wraps hides a wrapper from the fingerprint (inspect follows
+        # __wrapped__), and the native path would skip what it adds.
+        logger.info("kvpool: KVCacheManager.allocate_slots stays vLLM's Python: %s "
+                    "wrapped by other code", ", ".join(foreign))
+        return
     manager_cls = classes["KVCacheManager"]
+    coordinator_cls = classes["UnitaryKVCacheCoordinator"]
+    from kvpool.block_pool import BlockHashToBlockMap, BlockPool
+
+    vanilla_cache_blocks = coordinator_cls.cache_blocks
+    native_cache = _bind_cache_blocks(patcher, classes)
+    class_checks = [(classes[c], n, _bound_function(classes[c], n)) for c, n in MIRRORED
+                    if c in _CHECKED_CLASSES and (c, n) != ("KVCacheManager", "allocate_slots")]
     vanilla = manager_cls.allocate_slots
     _core.configure_allocate_slots_fast_path(
         manager_cls=manager_cls,
-        coordinator_cls=classes["UnitaryKVCacheCoordinator"],
+        coordinator_cls=coordinator_cls,
         full_attention_cls=classes["FullAttentionManager"],
         vanilla=vanilla,
         waiting=RequestStatus.WAITING,
@@ -203,6 +299,18 @@ def apply(patcher) -> None:
         coordinator_names=_COORDINATOR_NAMES,
         single_type_names=_SINGLE_TYPE_NAMES,
         manager_hooks=allocation.needs_manager_hooks(patcher.policy),
+        pool_cls=BlockPool,
+        hash_map_cls=BlockHashToBlockMap,
+        pool_names=_POOL_NAMES,
+        cache_checks=[(BlockPool, n, getattr(BlockPool, n, None)) for n in _POOL_NAMES],
+        native_cache=native_cache,
+        # 0.33.0's SingleTypeKVCacheManager.cache_blocks returns early for a spec that
+        # is not prefix_cacheable; 0.30.0's has no such test.
+        check_prefix_cacheable=release != "0.30.0",
+        vanilla_cache_blocks=vanilla_cache_blocks,
+        block_pool_module_dict=vars(classes["block_pool"]),
+        module_functions=tuple((n, getattr(classes["block_pool"], n))
+                               for c, n in MIRRORED if c == "block_pool"),
     )
     fast = _core.kv_cache_manager_allocate_slots
     fast.__wrapped__ = vanilla          # inspect.signature() shows vLLM's

@@ -126,14 +126,14 @@ def pool_snapshot(scheduler, now: float | None = None) -> dict[str, float] | Non
         skipped kvpool's ``__init__`` (``NotAKvpoolPoolError``), or the interval has not
         elapsed.
     """
+    # The interval first: make_stats runs every engine step, a snapshot once a second.
+    now = time.monotonic() if now is None else now
+    if now < scheduler.__dict__.get("_kvpool_metrics_due", 0.0):
+        return None
     pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
     read = getattr(pool, "fragmentation_stats", None)
     if read is None or not getattr(pool, "_kvpool_native", True):
         return None  # vLLM's pool, or a subclass kvpool did not build (runs vLLM's code)
-    now = time.monotonic() if now is None else now
-    due = scheduler.__dict__.get("_kvpool_metrics_due", 0.0)
-    if now < due:
-        return None
     scheduler.__dict__["_kvpool_metrics_due"] = now + _interval_s()
     return {k: float(v) for k, v in read(reset=True).items()}
 
