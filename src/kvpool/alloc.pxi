@@ -14,7 +14,7 @@ cdef dict _native_evict_cache(object pool):
             or pool.enable_kv_cache_events is not False or pool.metrics_collector is not None):
         return None
     hash_map = pool.cached_block_hash_to_block
-    if type(hash_map) is not fp.hash_map_cls:
+    if type(hash_map) is not fp.hash_map_cls or not _not_overridden(hash_map, fp.map_names):
         return None
     cache = hash_map._cache
     return <dict>cache if type(cache) is dict else None

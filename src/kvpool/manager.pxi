@@ -52,13 +52,13 @@ cdef class _AllocateSlotsFastPath:
     # The native cache_blocks (coordinator.cache_blocks -> BlockPool.cache_full_blocks):
     cdef public object pool_cls, hash_map_cls   # kvpool's BlockPool, BlockHashToBlockMap
     cdef public tuple pool_names          # pool methods that must not be set on the instance
-    cdef public tuple cache_checks        # ((cls, name, function), ...) of the pool
-    cdef public dict block_pool_module_dict   # vllm.v1.core.block_pool.__dict__
-    cdef public tuple module_functions    # ((name, function), ...) in that namespace
+    cdef public tuple cache_checks        # ((cls, name, function), ...) of the pool and map
+    cdef public tuple map_names           # map methods that must not be set on the instance
+    cdef public tuple module_functions    # ((namespace dict, name, function), ...)
     cdef public bint native_cache, check_prefix_cacheable
     cdef public Py_ssize_t native_cache_calls, vllm_cache_calls, native_evictions
     cdef unsigned int tags[3]
-    cdef unsigned int pool_tag
+    cdef unsigned int pool_tag, map_tag
 
     def __init__(self):
         self.enabled = False
@@ -71,10 +71,12 @@ cdef class _AllocateSlotsFastPath:
         self.vllm_cache_calls = 0
         self.native_evictions = 0
         self.pool_names = ()
+        self.map_names = ()
         self.cache_checks = ()
         self.module_functions = ()
         self.tags[0] = self.tags[1] = self.tags[2] = 0
         self.pool_tag = 0
+        self.map_tag = 0
 
     cdef bint classes_unchanged(self):
         """True when the three classes still resolve every skipped method to vLLM's
@@ -93,18 +95,20 @@ cdef class _AllocateSlotsFastPath:
         return True
 
     cdef bint cache_path_unchanged(self):
-        """The same for what the native cache_blocks skips: kvpool's pool class (and
-        vLLM's, its base) and the functions of vLLM's block_pool module namespace."""
-        cdef dict d = self.block_pool_module_dict
-        for name, func in self.module_functions:
-            if d.get(name) is not func:
+        """The same for what the native cache_blocks and eviction skip: kvpool's pool
+        class (and vLLM's, its base), kvpool's hash map class, and the functions of
+        vLLM's module namespaces that vLLM's caching calls."""
+        for d, name, func in self.module_functions:
+            if (<dict>d).get(name) is not func:
                 return False
-        if self.pool_tag != 0 and kvpool_type_tag(<PyObject*>self.pool_cls) == self.pool_tag:
+        if (self.pool_tag != 0 and kvpool_type_tag(<PyObject*>self.pool_cls) == self.pool_tag
+                and kvpool_type_tag(<PyObject*>self.hash_map_cls) == self.map_tag):
             return True
         if not _resolve_to(self.cache_checks):
             self.pool_tag = 0
             return False
         self.pool_tag = kvpool_type_tag(<PyObject*>self.pool_cls)
+        self.map_tag = kvpool_type_tag(<PyObject*>self.hash_map_cls)
         return True
 
 
@@ -138,7 +142,7 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
                                        class_checks, manager_names, coordinator_names,
                                        single_type_names, manager_hooks=False,
                                        pool_cls=None, hash_map_cls=None, pool_names=(),
-                                       cache_checks=(), block_pool_module_dict=None,
+                                       map_names=(), cache_checks=(),
                                        module_functions=(), native_cache=False,
                                        check_prefix_cacheable=True, vanilla_cache_blocks=None):
     """Arm :func:`kv_cache_manager_allocate_slots` (called by
@@ -149,8 +153,8 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
     names that must not be overridden on the manager / coordinator / single-type
     manager / pool instances. ``native_cache``: the fast path's ``cache_blocks`` runs
     natively for a pool of type ``pool_cls`` whose map is a ``hash_map_cls``, while
-    ``cache_checks`` hold, ``module_functions`` are ``block_pool_module_dict``'s and
-    ``pool_names`` are not set on the pool
+    ``cache_checks`` hold, each ``(namespace, name, function)`` of ``module_functions``
+    holds, and ``pool_names`` / ``map_names`` are not set on the pool / its map
     (``check_prefix_cacheable``: the release's ``SingleTypeKVCacheManager.cache_blocks``
     returns early for a spec that is not ``prefix_cacheable``, as 0.33.0's does).
     """
@@ -171,13 +175,14 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
     _fast_path.hash_map_cls = hash_map_cls
     _fast_path.pool_names = tuple(pool_names)
     _fast_path.cache_checks = tuple(cache_checks)
-    _fast_path.block_pool_module_dict = block_pool_module_dict
+    _fast_path.map_names = tuple(map_names)
     _fast_path.module_functions = tuple(module_functions)
     _fast_path.native_cache = (bool(native_cache) and pool_cls is not None
                                and hash_map_cls is not None
-                               and block_pool_module_dict is not None)
+                               and all(type(d) is dict for d, _, _ in module_functions))
     _fast_path.vanilla_cache_blocks = vanilla_cache_blocks
     _fast_path.pool_tag = 0
+    _fast_path.map_tag = 0
     _fast_path.check_prefix_cacheable = check_prefix_cacheable
     _fast_path.tags[0] = 0
     _fast_path.fast_calls = 0
@@ -445,7 +450,7 @@ cdef bint _cache_blocks_native(_AllocateSlotsFastPath fp, coordinator, mgr, requ
     if fp.check_prefix_cacheable and mgr.kv_cache_spec.prefix_cacheable is not True:
         return False
     hash_map = pool.cached_block_hash_to_block
-    if type(hash_map) is not fp.hash_map_cls:
+    if type(hash_map) is not fp.hash_map_cls or not _not_overridden(hash_map, fp.map_names):
         return False
     cache_o = hash_map._cache
     num_cached_block_o = mgr.num_cached_block
@@ -495,6 +500,12 @@ cdef bint _cache_blocks_native(_AllocateSlotsFastPath fp, coordinator, mgr, requ
     suffix = PyBytes_FromStringAndSize(<const char*>suffix_buf, 4)
     fp.native_cache_calls += 1
     for i in range(num_cached, num_full):
+        # (Re-read: a finalizer run by the garbage collector while this loop creates a
+        # dict could have changed the lists; none does in vLLM.)
+        if (i >= len(blocks) or i >= len(block_hashes) or type(blocks[i]) is not KVCacheBlock
+                or type(block_hashes[i]) is not bytes):
+            raise RuntimeError(f"kvpool: the block table or block hashes of request "
+                               f"{request_id!r} changed during cache_blocks")
         blk = <KVCacheBlock>blocks[i]
         if blk._is_null_o == kvpool_true():
             continue

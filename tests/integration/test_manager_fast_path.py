@@ -298,13 +298,15 @@ def _fill_a_block(manager, req):
         req.append_output_token_ids(7)
 
 
-@pytest.mark.parametrize("where", ["pool class", "vLLM's pool class", "pool instance", "module function"])
+@pytest.mark.parametrize("where", ["pool class", "vLLM's pool class", "pool instance", "module function",
+                                   "map class", "map instance", "coordinator's module function"])
 def test_a_patched_caching_function_is_called(monkeypatch, where):
     """What the native cache_blocks skips (the pool's cache_full_blocks, patched on
     kvpool's pool class, on vLLM's, on the instance as the replay's probe does; the hash
     function in vLLM's block_pool namespace) is called again once patched, for the
     running request's cache (the native allocate_slots) and a new request's (vLLM's
-    allocate_slots through the coordinator)."""
+    allocate_slots through the coordinator); so is kvpool's map's insert, patched on its
+    class or on the pool's map, and vLLM 0.33.0's replay_boundaries."""
     from vllm.v1.core import block_pool as vllm_block_pool
 
     from kvpool.block_pool import BlockPool, VllmBlockPool
@@ -317,14 +319,34 @@ def test_a_patched_caching_function_is_called(monkeypatch, where):
     assert _cache_calls() == (native + 1, vllm)
     pool = manager.block_pool
     seen = []
-    if where == "module function":
-        original = vllm_block_pool.make_block_hash_with_group_id
+    if where in ("module function", "coordinator's module function"):
+        from vllm.v1.core import kv_cache_coordinator
 
-        def counting(*args):
+        module, name = ((vllm_block_pool, "make_block_hash_with_group_id") if where == "module function"
+                        else (kv_cache_coordinator, "replay_boundaries"))
+        if not hasattr(module, name):
+            pytest.skip(f"this vLLM has no {module.__name__}.{name} (0.30.0: get_replay_boundaries)")
+        original = getattr(module, name)
+
+        def counting(*args, **kwargs):
             seen.append(args)
-            return original(*args)
+            return original(*args, **kwargs)
 
-        monkeypatch.setattr(vllm_block_pool, "make_block_hash_with_group_id", counting)
+        monkeypatch.setattr(module, name, counting)
+    elif where.startswith("map"):
+        from kvpool.block_pool import BlockHashToBlockMap
+
+        original = BlockHashToBlockMap.insert
+        hash_map = pool.cached_block_hash_to_block
+
+        def counting(self, *args):
+            seen.append(args)
+            return original(self, *args)
+
+        if where == "map class":
+            monkeypatch.setattr(BlockHashToBlockMap, "insert", counting)
+        else:
+            monkeypatch.setattr(hash_map, "insert", counting.__get__(hash_map))
     else:
         original = VllmBlockPool.cache_full_blocks
 

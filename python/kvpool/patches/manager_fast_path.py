@@ -112,6 +112,8 @@ _SINGLE_TYPE_NAMES = ("remove_skipped_blocks", "get_num_skipped_tokens",
 
 # Pool methods the native cache_blocks skips, which must not be set on the pool instance
 # (the replay's probe, for one, wraps cache_full_blocks there).
+# kvpool's BlockHashToBlockMap methods the native loops replace (class and instance).
+_MAP_NAMES = ("contain", "insert", "pop")
 _POOL_NAMES = ("cache_full_blocks", "_insert_block_hash", "_maybe_evict_cached_block",
                "_remove_cached_block_hashes", "_emit_block_removed_events")
 
@@ -302,15 +304,16 @@ def apply(patcher) -> None:
         pool_cls=BlockPool,
         hash_map_cls=BlockHashToBlockMap,
         pool_names=_POOL_NAMES,
-        cache_checks=[(BlockPool, n, getattr(BlockPool, n, None)) for n in _POOL_NAMES],
+        map_names=_MAP_NAMES,
+        cache_checks=[(BlockPool, n, getattr(BlockPool, n, None)) for n in _POOL_NAMES]
+        + [(BlockHashToBlockMap, n, getattr(BlockHashToBlockMap, n, None)) for n in _MAP_NAMES],
         native_cache=native_cache,
         # 0.33.0's SingleTypeKVCacheManager.cache_blocks returns early for a spec that
         # is not prefix_cacheable; 0.30.0's has no such test.
         check_prefix_cacheable=release != "0.30.0",
         vanilla_cache_blocks=vanilla_cache_blocks,
-        block_pool_module_dict=vars(classes["block_pool"]),
-        module_functions=tuple((n, getattr(classes["block_pool"], n))
-                               for c, n in MIRRORED if c == "block_pool"),
+        module_functions=tuple((vars(classes[c]), n, getattr(classes[c], n)) for c, n in MIRRORED
+                               if c in ("block_pool", "kv_cache_coordinator") and hasattr(classes[c], n)),
     )
     fast = _core.kv_cache_manager_allocate_slots
     fast.__wrapped__ = vanilla          # inspect.signature() shows vLLM's
