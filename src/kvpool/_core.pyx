@@ -20,6 +20,7 @@ rejected call leaves ref counts and the free list exactly as they were.
 cimport cython
 from cpython.list cimport PyList_New, PyList_SET_ITEM, PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.tuple cimport PyTuple_GET_ITEM
+from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from cpython.object cimport Py_TYPE
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t

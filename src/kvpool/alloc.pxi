@@ -8,16 +8,9 @@ cdef dict _native_evict_cache(object pool):
     natively: kvpool's ``BlockPool`` with vLLM's eviction methods (checked as the
     native cache_blocks checks its methods: ``kvpool.patches.manager_fast_path``), no
     KV events, no metrics collector, kvpool's map; else None (vLLM's callback)."""
-    cdef _AllocateSlotsFastPath fp = _fast_path
-    if (not fp.enabled or not fp.native_cache or type(pool) is not fp.pool_cls
-            or not fp.cache_path_unchanged() or not _not_overridden(pool, fp.pool_names)
-            or pool.enable_kv_cache_events is not False or pool.metrics_collector is not None):
+    if not _fast_path.enabled or pool.metrics_collector is not None:
         return None
-    hash_map = pool.cached_block_hash_to_block
-    if type(hash_map) is not fp.hash_map_cls or not _not_overridden(hash_map, fp.map_names):
-        return None
-    cache = hash_map._cache
-    return <dict>cache if type(cache) is dict else None
+    return _native_map_cache(_fast_path, pool)
 
 
 cdef bint _evict_natively(dict cache, KVCacheBlock blk) except -1:

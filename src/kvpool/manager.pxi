@@ -370,7 +370,10 @@ cdef object _allocate_slots_native(self, request, num_new_tokens, num_new_comput
                         or mgr.block_pool.hash_block_size != mgr.block_size):
                     if not _cache_blocks_native(fp, coordinator, mgr, request, request_id,
                                                 n_cache):
-                        coordinator.cache_blocks(request, n_cache)
+                        # vLLM's function: what coordinator.cache_blocks resolves to
+                        # (checked above), less the native attempt just made.
+                        fp.vllm_cache_calls += 1
+                        fp.vanilla_cache_blocks(coordinator, request, n_cache)
     # create_kv_cache_blocks((new_blocks,))
     if not new_blocks:
         return self.empty_kv_cache_blocks
@@ -405,8 +408,20 @@ def kv_cache_coordinator_cache_blocks(self, request, num_computed_tokens, *args,
     return fp.vanilla_cache_blocks(self, request, num_computed_tokens, *args, **kwargs)
 
 
-cdef extern from "Python.h":
-    object PyBytes_FromStringAndSize(const char* v, Py_ssize_t n)
+cdef dict _native_map_cache(_AllocateSlotsFastPath fp, pool):
+    """The ``_cache`` dict of ``pool``'s prefix-cache map when the native caching and
+    eviction may write it: kvpool's pool and map, their methods unpatched (class and
+    instance), the module functions vLLM's caching calls unreplaced, KV events off;
+    else None (vLLM's code)."""
+    if (not fp.native_cache or type(pool) is not fp.pool_cls or not fp.cache_path_unchanged()
+            or not _not_overridden(pool, fp.pool_names)
+            or pool.enable_kv_cache_events is not False):
+        return None
+    hash_map = pool.cached_block_hash_to_block
+    if type(hash_map) is not fp.hash_map_cls or not _not_overridden(hash_map, fp.map_names):
+        return None
+    cache = hash_map._cache
+    return <dict>cache if type(cache) is dict else None
 
 
 cdef bint _cache_blocks_native(_AllocateSlotsFastPath fp, coordinator, mgr, request,
@@ -433,12 +448,9 @@ cdef bint _cache_blocks_native(_AllocateSlotsFastPath fp, coordinator, mgr, requ
     cdef unsigned char suffix_buf[4]
     cdef list blocks, block_hashes
     cdef dict cache, num_cached_block
-    if not fp.native_cache:
-        return False
     pool = mgr.block_pool
-    if (type(pool) is not fp.pool_cls or not fp.cache_path_unchanged()
-            or not _not_overridden(pool, fp.pool_names)
-            or pool.enable_kv_cache_events is not False
+    cache_o = _native_map_cache(fp, pool)
+    if (cache_o is None
             or not _nonneg(mgr.block_size, &bs) or bs == 0
             or not _nonneg(pool.hash_block_size, &i) or i != bs
             or not _nonneg(coordinator.num_reprefillable_tokens, &reprefill)
@@ -449,14 +461,9 @@ cdef bint _cache_blocks_native(_AllocateSlotsFastPath fp, coordinator, mgr, requ
         return False
     if fp.check_prefix_cacheable and mgr.kv_cache_spec.prefix_cacheable is not True:
         return False
-    hash_map = pool.cached_block_hash_to_block
-    if type(hash_map) is not fp.hash_map_cls or not _not_overridden(hash_map, fp.map_names):
-        return False
-    cache_o = hash_map._cache
     num_cached_block_o = mgr.num_cached_block
     block_hashes_o = request.block_hashes
-    if (type(cache_o) is not dict or type(num_cached_block_o) is not dict
-            or type(block_hashes_o) is not list):
+    if type(num_cached_block_o) is not dict or type(block_hashes_o) is not list:
         return False
     cache = <dict>cache_o
     num_cached_block = <dict>num_cached_block_o

@@ -298,6 +298,21 @@ def _fill_a_block(manager, req):
         req.append_output_token_ids(7)
 
 
+def _patch_counting(monkeypatch, target, name, original, seen: list) -> None:
+    """Set ``target.name`` (a class, a module or an instance, bound to it) to a wrapper
+    of ``original`` that records each call's arguments in ``seen``."""
+    import types
+
+    def counting(*args, **kwargs):
+        seen.append(args)
+        return original(*args, **kwargs)
+
+    if isinstance(target, (type, types.ModuleType)):
+        monkeypatch.setattr(target, name, counting)
+    else:
+        monkeypatch.setattr(target, name, types.MethodType(counting, target))
+
+
 @pytest.mark.parametrize("where", ["pool class", "vLLM's pool class", "pool instance", "module function",
                                    "map class", "map instance", "coordinator's module function"])
 def test_a_patched_caching_function_is_called(monkeypatch, where):
@@ -326,40 +341,15 @@ def test_a_patched_caching_function_is_called(monkeypatch, where):
                         else (kv_cache_coordinator, "replay_boundaries"))
         if not hasattr(module, name):
             pytest.skip(f"this vLLM has no {module.__name__}.{name} (0.30.0: get_replay_boundaries)")
-        original = getattr(module, name)
-
-        def counting(*args, **kwargs):
-            seen.append(args)
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, counting)
+        _patch_counting(monkeypatch, module, name, getattr(module, name), seen)
     elif where.startswith("map"):
         from kvpool.block_pool import BlockHashToBlockMap
 
-        original = BlockHashToBlockMap.insert
-        hash_map = pool.cached_block_hash_to_block
-
-        def counting(self, *args):
-            seen.append(args)
-            return original(self, *args)
-
-        if where == "map class":
-            monkeypatch.setattr(BlockHashToBlockMap, "insert", counting)
-        else:
-            monkeypatch.setattr(hash_map, "insert", counting.__get__(hash_map))
+        target = BlockHashToBlockMap if where == "map class" else pool.cached_block_hash_to_block
+        _patch_counting(monkeypatch, target, "insert", BlockHashToBlockMap.insert, seen)
     else:
-        original = VllmBlockPool.cache_full_blocks
-
-        def counting(self, *args, **kwargs):
-            seen.append(args)
-            return original(self, *args, **kwargs)
-
-        if where == "pool class":
-            monkeypatch.setattr(BlockPool, "cache_full_blocks", counting)
-        elif where == "vLLM's pool class":
-            monkeypatch.setattr(VllmBlockPool, "cache_full_blocks", counting)
-        else:
-            monkeypatch.setattr(pool, "cache_full_blocks", counting.__get__(pool))
+        target = {"pool class": BlockPool, "vLLM's pool class": VllmBlockPool}.get(where, pool)
+        _patch_counting(monkeypatch, target, "cache_full_blocks", VllmBlockPool.cache_full_blocks, seen)
     _fill_a_block(manager, req)
     assert seen and _cache_calls()[0] == native + 1
     seen.clear()
@@ -369,7 +359,6 @@ def test_a_patched_caching_function_is_called(monkeypatch, where):
     monkeypatch.undo()
     _fill_a_block(manager, req)
     assert _cache_calls()[0] == native + 2
-
 
 
 def test_a_map_entry_of_another_type_is_read_by_vllms_code():

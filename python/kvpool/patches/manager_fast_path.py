@@ -110,10 +110,10 @@ _SINGLE_TYPE_NAMES = ("remove_skipped_blocks", "get_num_skipped_tokens",
                       "_cache_partial_tail_block", "reachable_block_mask")
 
 
-# Pool methods the native cache_blocks skips, which must not be set on the pool instance
-# (the replay's probe, for one, wraps cache_full_blocks there).
 # kvpool's BlockHashToBlockMap methods the native loops replace (class and instance).
 _MAP_NAMES = ("contain", "insert", "pop")
+# Pool methods the native cache_blocks and eviction skip, which must not be set on the
+# pool instance (the replay's probe, for one, wraps cache_full_blocks there).
 _POOL_NAMES = ("cache_full_blocks", "_insert_block_hash", "_maybe_evict_cached_block",
                "_remove_cached_block_hashes", "_emit_block_removed_events")
 
