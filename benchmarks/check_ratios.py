@@ -36,8 +36,8 @@ def main(paths: list[str]) -> int:
         for r in rows_of(path):
             ok = r["target"] is None or r["ratio"] >= r["target"]
             met[r["group"]] = met.get(r["group"], False) or ok
-            target = f"{r['target']}x" if r["target"] is not None else "none"
-            print(f"{r['group']:<28}{r['ratio']:>8.1f}x  target {target:<6}{'ok' if ok else 'BELOW'}")
+            target = f"{r['target']:.3g}x" if r["target"] is not None else "none"
+            print(f"{r['group']:<34}{r['ratio']:>8.2f}x  target {target:<6}{'ok' if ok else 'BELOW'}")
     failed = sorted(group for group, ok in met.items() if not ok)
     if failed and len(paths) > 1:
         print(f"below target in every run: {', '.join(failed)}")

@@ -1,8 +1,8 @@
 """Benchmarks of vLLM 0.33.0's Python block pool and kvpool, in the same run.
 
 Each operation has one benchmark per implementation in the same pytest-benchmark
-group; the terminal summary prints the ratio of medians (vLLM / kvpool) and ns per
-block. No test asserts an absolute time. CI saves the run and fails when a ratio is
+group; the terminal summary prints the ratio of medians (vLLM / kvpool; for numbered
+rounds of the same work, the median of the rounds' ratios) and ns per block. No test asserts an absolute time. CI saves the run and fails when a ratio is
 below its target: ``python benchmarks/check_ratios.py RESULT.json`` (targets in
 benchmarks/ratios.py, results in docs/performance.md).
 """
@@ -40,10 +40,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         ]
     )
     tr = terminalreporter
-    tr.write_sep("-", "kvpool vs vLLM 0.33.0 (same run, medians)")
+    tr.write_sep("-", "kvpool vs vLLM 0.33.0 (same run; medians; rounds' ratios: benchmarks/ratios.py)")
     tr.write_line(f"{'operation':<34}{'vLLM':>12}{'kvpool':>12}{'ratio':>9}{'kvpool ns/block':>17}{'target':>8}")
     for r in rows:
+        target = f"{r['target']:.3g}x" if r["target"] else ""
         tr.write_line(
             f"{r['group']:<34}{r['vllm_s'] * 1e6:>10.1f}us{r['kvpool_s'] * 1e6:>10.1f}us"
-            f"{r['ratio']:>8.1f}x{r['kvpool_ns_per_block']:>17.1f}{r['target'] or '':>7}x"
+            f"{r['ratio']:>8.2f}x{r['kvpool_ns_per_block']:>17.1f}{target:>8}"
         )

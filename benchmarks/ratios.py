@@ -19,20 +19,33 @@ TARGETS = {
     "touch_free_2100_hashed": 20,
     "deferred_drain_2100": 20,
     # The scheduler step (benchmarks/test_scheduler_step_bench.py, issue 17): vanilla's
-    # CPU per step / kvpool's, the median of 9 interleaved rounds of 200 steps. With the
-    # KV cache manager's running-request path native (kvpool.patches.manager_fast_path)
-    # three runs on 2026-12-01 measured serving 1.37-1.47x (contiguous 1.2-1.31x), grpo
-    # 1.3-1.42x (contiguous 1.2-1.5x), while the absolute times moved 2x from run to run
-    # (docs/performance.md). Issue 17's goal is 1/0.7 = 1.43x (default) and 1/0.75 =
-    # 1.33x (contiguous) on both shapes; these gates sit below the lowest run so that
-    # a regression of the native path (back to ~1.0x) fails and noise does not (the
-    # clean-clone CI run of 2175118 measured grpo 1.23x, and a later run serving 1.1x
-    # with 1.31x on its rerun: hence 1.15x; a regression to ~1.0x is below in both runs).
-    "scheduler_step_serving": 1.15,
-    "scheduler_step_serving_contiguous": 1.1,
-    "scheduler_step_grpo": 1.15,
-    "scheduler_step_grpo_contiguous": 1.1,
+    # CPU per step / kvpool's (schedule() + update_from_output() only), the median of
+    # the per-round ratios of 15 interleaved rounds of 400 steps (_ratio below). Issue
+    # 17's targets: kvpool <= 0.7x of vanilla's CPU per step (>= 1/0.7 = 1.43x) with
+    # the default policy, <= 0.75x (>= 1.33x) with the contiguous one, on both shapes.
+    # On 2026-12-02 (a waiting request's lookup and prefix caching off native too) five
+    # runs on the 2-core machine, nothing else running, measured serving 1.46-1.55x
+    # (contiguous 1.42-1.51x), grpo 1.46-1.52x (contiguous 1.36-1.46x); CI measures
+    # again and fails only when a ratio is below in both runs
+    # (docs/performance.md, "The step benchmark measures the step").
+    "scheduler_step_serving": 1 / 0.7,
+    "scheduler_step_serving_contiguous": 1 / 0.75,
+    "scheduler_step_grpo": 1 / 0.7,
+    "scheduler_step_grpo_contiguous": 1 / 0.75,
 }
+
+
+def _ratio(vllm: dict, kvpool: dict) -> float:
+    """vLLM's time / kvpool's. Benchmarks run as numbered rounds of the same work in
+    every mode (the scheduler step: round r of a mode is the same 200 engine steps of
+    the same deterministic stream, checked by its decision trace) are compared round
+    by round: the median of the rounds' ratios, so that a round that is cheap or dear
+    for every mode (prompt admissions, pure decode) does not tilt the ratio as a
+    median of unequal rounds would. Others: the ratio of the medians."""
+    rounds = sorted(r for r in vllm["by_round"] if r is not None and r in kvpool["by_round"])
+    if len(rounds) > 1:
+        return statistics.median(vllm["by_round"][r] / kvpool["by_round"][r] for r in rounds)
+    return vllm["median"] / kvpool["median"]
 
 
 def ratio_rows(benchmarks: list[dict]) -> list[dict]:
@@ -47,6 +60,7 @@ def ratio_rows(benchmarks: list[dict]) -> list[dict]:
             impls[impl]["medians"].append(b["median"])
         else:
             impls[impl] = {**b, "medians": [b["median"]]}
+        impls[impl].setdefault("by_round", {})[b["extra_info"].get("round")] = b["median"]
     for impls in by_group.values():
         for b in impls.values():
             b["median"] = statistics.median(b["medians"])
@@ -65,7 +79,7 @@ def ratio_rows(benchmarks: list[dict]) -> list[dict]:
                     "group": name,
                     "vllm_s": v,
                     "kvpool_s": k,
-                    "ratio": v / k,
+                    "ratio": _ratio(impls["vllm"], impls[impl]),
                     "kvpool_ns_per_block": k / blocks * 1e9,
                     "target": TARGETS.get(name),
                 }

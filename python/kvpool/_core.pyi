@@ -190,8 +190,22 @@ def configure_allocate_slots_fast_path(
     native_cache: bool = False,
     check_prefix_cacheable: bool = True,
     vanilla_cache_blocks: Any = None,
+    no_prefix_cache_cls: type | None = None,
 ) -> None: ...
 def disable_allocate_slots_fast_path() -> None: ...
+def configure_prefix_lookup(
+    *,
+    vanilla: Any,
+    lookup_specs: Iterable[type],
+    eagle_attr: str,
+    takes_max_length: bool,
+    manager_names: Iterable[str],
+    coordinator_names: Iterable[str],
+    single_type_names: Iterable[str],
+) -> None: ...
+def kv_cache_manager_get_computed_blocks(
+    self: Any, request: Any, max_cache_hit_length: int | None = ..., *args: Any, **kwargs: Any
+) -> tuple[Any, int, int]: ...
 def kv_cache_coordinator_cache_blocks(
     self: Any, request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any
 ) -> None: ...

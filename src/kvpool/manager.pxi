@@ -40,6 +40,7 @@ cdef extern from *:
 cdef class _AllocateSlotsFastPath:
     """What the fast path was configured with (one per process)."""
     cdef public object manager_cls, coordinator_cls, full_attention_cls
+    cdef public object no_prefix_cache_cls   # KVCacheCoordinatorNoPrefixCache, or None
     cdef public object vanilla            # vLLM's KVCacheManager.allocate_slots
     cdef public object vanilla_cache_blocks   # vLLM's KVCacheCoordinator.cache_blocks
     cdef public object waiting, preempted, status_type
@@ -57,7 +58,14 @@ cdef class _AllocateSlotsFastPath:
     cdef public tuple module_functions    # ((namespace dict, name, function), ...)
     cdef public bint native_cache, check_prefix_cacheable
     cdef public Py_ssize_t native_cache_calls, vllm_cache_calls, native_evictions
-    cdef unsigned int tags[3]
+    # The native get_computed_blocks (lookup.pxi):
+    cdef public bint native_lookup, lookup_takes_max
+    cdef public object vanilla_lookup     # vLLM's KVCacheManager.get_computed_blocks
+    cdef public tuple lookup_specs        # the spec types FullAttentionManager asserts
+    cdef public str eagle_attr            # the coordinator's EAGLE group ids attribute
+    cdef public tuple lookup_manager_names, lookup_coordinator_names, lookup_single_type_names
+    cdef public Py_ssize_t native_lookups, vllm_lookups
+    cdef unsigned int tags[4]
     cdef unsigned int pool_tag, map_tag
 
     def __init__(self):
@@ -70,11 +78,20 @@ cdef class _AllocateSlotsFastPath:
         self.native_cache_calls = 0
         self.vllm_cache_calls = 0
         self.native_evictions = 0
+        self.native_lookup = False
+        self.lookup_takes_max = True
+        self.native_lookups = 0
+        self.vllm_lookups = 0
+        self.lookup_specs = ()
+        self.eagle_attr = "drop_eagle_group_ids"
+        self.lookup_manager_names = self.lookup_coordinator_names = ()
+        self.lookup_single_type_names = ()
         self.pool_names = ()
         self.map_names = ()
         self.cache_checks = ()
         self.module_functions = ()
-        self.tags[0] = self.tags[1] = self.tags[2] = 0
+        self.tags[0] = self.tags[1] = self.tags[2] = self.tags[3] = 0
+        self.no_prefix_cache_cls = None
         self.pool_tag = 0
         self.map_tag = 0
 
@@ -82,9 +99,11 @@ cdef class _AllocateSlotsFastPath:
         """True when the three classes still resolve every skipped method to vLLM's
         function (checked through getattr after any change to them; a classmethod by
         the function it binds)."""
+        cdef object no_cache = self.no_prefix_cache_cls
         if (self.tags[0] != 0 and kvpool_type_tag(<PyObject*>self.manager_cls) == self.tags[0]
                 and kvpool_type_tag(<PyObject*>self.coordinator_cls) == self.tags[1]
-                and kvpool_type_tag(<PyObject*>self.full_attention_cls) == self.tags[2]):
+                and kvpool_type_tag(<PyObject*>self.full_attention_cls) == self.tags[2]
+                and (no_cache is None or kvpool_type_tag(<PyObject*>no_cache) == self.tags[3])):
             return True
         if not _resolve_to(self.class_checks):
             self.tags[0] = 0
@@ -92,6 +111,8 @@ cdef class _AllocateSlotsFastPath:
         self.tags[0] = kvpool_type_tag(<PyObject*>self.manager_cls)
         self.tags[1] = kvpool_type_tag(<PyObject*>self.coordinator_cls)
         self.tags[2] = kvpool_type_tag(<PyObject*>self.full_attention_cls)
+        if no_cache is not None:
+            self.tags[3] = kvpool_type_tag(<PyObject*>no_cache)
         return True
 
     cdef bint cache_path_unchanged(self):
@@ -128,13 +149,18 @@ def allocate_slots_fast_path_state():
     ``{"enabled", "manager_hooks", "fast_calls", "vllm_calls", "native_cache",
     "native_cache_calls", "vllm_cache_calls", "native_evictions"}`` (``*_cache_calls``:
     a one-group coordinator's ``cache_blocks`` done natively / by vLLM's code;
-    ``native_evictions``: cached blocks that ``pool_get_new_blocks`` evicted itself)."""
+    ``native_evictions``: cached blocks that ``pool_get_new_blocks`` evicted itself;
+    ``native_lookup``, ``native_lookups``, ``vllm_lookups``: ``get_computed_blocks``
+    bound, and its calls done natively / by vLLM's code)."""
     return {"enabled": _fast_path.enabled, "manager_hooks": _fast_path.manager_hooks,
             "fast_calls": _fast_path.fast_calls, "vllm_calls": _fast_path.vllm_calls,
             "native_cache": _fast_path.native_cache,
             "native_cache_calls": _fast_path.native_cache_calls,
             "vllm_cache_calls": _fast_path.vllm_cache_calls,
-            "native_evictions": _fast_path.native_evictions}
+            "native_evictions": _fast_path.native_evictions,
+            "native_lookup": _fast_path.native_lookup,
+            "native_lookups": _fast_path.native_lookups,
+            "vllm_lookups": _fast_path.vllm_lookups}
 
 
 def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_attention_cls,
@@ -144,7 +170,8 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
                                        pool_cls=None, hash_map_cls=None, pool_names=(),
                                        map_names=(), cache_checks=(),
                                        module_functions=(), native_cache=False,
-                                       check_prefix_cacheable=True, vanilla_cache_blocks=None):
+                                       check_prefix_cacheable=True, vanilla_cache_blocks=None,
+                                       no_prefix_cache_cls=None):
     """Arm :func:`kv_cache_manager_allocate_slots` (called by
     ``kvpool.patches.manager_fast_path``; ``disable_allocate_slots_fast_path`` undoes it).
 
@@ -157,10 +184,13 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
     holds, and ``pool_names`` / ``map_names`` are not set on the pool / its map
     (``check_prefix_cacheable``: the release's ``SingleTypeKVCacheManager.cache_blocks``
     returns early for a spec that is not ``prefix_cacheable``, as 0.33.0's does).
+    ``no_prefix_cache_cls``: vLLM's ``KVCacheCoordinatorNoPrefixCache`` when its
+    allocation methods are ``coordinator_cls``'s (prefix caching off), or None.
     """
     _fast_path.manager_cls = manager_cls
     _fast_path.coordinator_cls = coordinator_cls
     _fast_path.full_attention_cls = full_attention_cls
+    _fast_path.no_prefix_cache_cls = no_prefix_cache_cls
     _fast_path.vanilla = vanilla
     _fast_path.waiting = waiting
     _fast_path.preempted = preempted
@@ -190,6 +220,9 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
     _fast_path.native_cache_calls = 0
     _fast_path.vllm_cache_calls = 0
     _fast_path.native_evictions = 0
+    _fast_path.native_lookup = False     # (configure_prefix_lookup arms it)
+    _fast_path.native_lookups = 0
+    _fast_path.vllm_lookups = 0
     _fast_path.enabled = True
 
 
@@ -266,6 +299,7 @@ cdef object _allocate_slots_native(self, request, num_new_tokens, num_new_comput
     cdef long long watermark = 0, total, need, to_alloc, free_blocks, n_cache
     cdef long long n_cached, request_tokens
     cdef object coordinator, mgr, managers, request_id, status, table, new_blocks, pool
+    cdef bint caching, running
     cdef object num_cached_block
     if (not fp.enabled or args or kwargs or type(self) is not fp.manager_cls
             or new_computed_blocks is not None
@@ -280,7 +314,11 @@ cdef object _allocate_slots_native(self, request, num_new_tokens, num_new_comput
             or not _nonneg(reserved_blocks, &reserved)):
         return _VLLM
     coordinator = self.coordinator
-    if type(coordinator) is not fp.coordinator_cls:
+    if type(coordinator) is fp.coordinator_cls:
+        caching = True
+    elif type(coordinator) is fp.no_prefix_cache_cls and fp.no_prefix_cache_cls is not None:
+        caching = False     # (prefix caching off: nothing is ever cached or hit)
+    else:
         return _VLLM
     managers = coordinator.single_type_managers
     if type(managers) is not tuple or len(<tuple>managers) != 1:
@@ -294,8 +332,16 @@ cdef object _allocate_slots_native(self, request, num_new_tokens, num_new_comput
             or not _not_overridden(mgr, fp.single_type_names)):
         return _VLLM
     num_cached_block = mgr.num_cached_block   # read once: checked, then used
-    if (type(num_cached_block) is not dict
-            or request_id not in <dict>num_cached_block      # not a running request
+    if caching:
+        running = type(num_cached_block) is dict and request_id in <dict>num_cached_block
+    else:
+        # Without prefix caching num_cached_block stays empty; with no computed blocks
+        # vLLM's get_num_blocks_to_allocate gives max(required - len(table), 0) on
+        # either of its branches, so the request only needs a table.
+        req_to_blocks = mgr.req_to_blocks
+        running = (mgr.enable_caching is False and isinstance(req_to_blocks, dict)
+                   and request_id in <dict>req_to_blocks)
+    if (not running                                           # not a running request
             or request_id in getattr(mgr, "_partial_hit_reqs", ())  # a pending CoW copy
             or not _nonneg(mgr.block_size, &block_size) or block_size == 0
             or not _nonneg(self.max_model_len, &max_len)
@@ -317,7 +363,9 @@ cdef object _allocate_slots_native(self, request, num_new_tokens, num_new_comput
     to_alloc = (need + block_size - 1) // block_size - len(mgr.req_to_blocks.get(request_id, ()))
     if to_alloc < 0:
         to_alloc = 0
-    if not _nonneg(self.block_pool.get_num_free_blocks(), &free_blocks):
+    pool = self.block_pool
+    if not _native_free_count(fp, pool, &free_blocks) \
+            and not _nonneg(pool.get_num_free_blocks(), &free_blocks):
         return _VLLM
     fp.fast_calls += 1
     if fp.manager_hooks:
@@ -408,14 +456,38 @@ def kv_cache_coordinator_cache_blocks(self, request, num_computed_tokens, *args,
     return fp.vanilla_cache_blocks(self, request, num_computed_tokens, *args, **kwargs)
 
 
-cdef dict _native_map_cache(_AllocateSlotsFastPath fp, pool):
+cdef tuple _FREE_COUNT_NAMES = ("get_num_free_blocks",)
+
+
+cdef bint _native_free_count(_AllocateSlotsFastPath fp, pool, long long* out) except -1:
+    """``pool.get_num_free_blocks()`` (vLLM's ``BlockPool.get_num_free_blocks``: the
+    queue's ``num_free_blocks``) read natively from kvpool's queue when that is the
+    method the pool's class and instance have; False (nothing read) otherwise, or
+    when the count is negative (a test's assignment), for vLLM's call to decide."""
+    cdef Py_ssize_t n
+    if _native_map_cache(fp, pool, _FREE_COUNT_NAMES) is None:
+        return False
+    queue = pool.free_block_queue
+    if type(queue) is not FreeKVCacheBlockQueue:
+        return False
+    n = <Py_ssize_t>(<FreeKVCacheBlockQueue>queue)._list.size() + (<FreeKVCacheBlockQueue>queue)._count_offset
+    if n < 0:
+        return False
+    out[0] = n
+    return True
+
+
+cdef dict _native_map_cache(_AllocateSlotsFastPath fp, pool, tuple pool_names=None):
     """The ``_cache`` dict of ``pool``'s prefix-cache map when the native caching and
     eviction may write it: kvpool's pool and map, their methods unpatched (class and
     instance), the module functions vLLM's caching calls unreplaced, KV events off;
-    else None (vLLM's code)."""
+    else None (vLLM's code). ``pool_names``: for a reader (the lookup), the only pool
+    methods that must not be set on the instance, and the pool's KV events do not
+    matter (the caller checks what it needs)."""
     if (not fp.native_cache or type(pool) is not fp.pool_cls or not fp.cache_path_unchanged()
-            or not _not_overridden(pool, fp.pool_names)
-            or pool.enable_kv_cache_events is not False):
+            or not _not_overridden(pool, fp.pool_names if pool_names is None else pool_names)):
+        return None
+    if pool_names is None and pool.enable_kv_cache_events is not False:
         return None
     hash_map = pool.cached_block_hash_to_block
     if type(hash_map) is not fp.hash_map_cls or not _not_overridden(hash_map, fp.map_names):

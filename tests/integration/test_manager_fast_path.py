@@ -16,6 +16,7 @@ runs 10^6 operations (default 20,000).
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 
@@ -81,7 +82,7 @@ class _Side:
 
 
 def _run_differential(num_ops: int, num_blocks: int, seed: int, watermark: float = 0.0,
-                      events: bool = True) -> dict:
+                      events: bool = True, caching: bool = True) -> dict:
     from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
     from vllm.v1.request import RequestStatus
 
@@ -94,7 +95,7 @@ def _run_differential(num_ops: int, num_blocks: int, seed: int, watermark: float
 
     assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
     assert UnitaryKVCacheCoordinator.cache_blocks is _core.kv_cache_coordinator_cache_blocks
-    options = dict(enable_kv_cache_events=events, watermark=watermark)
+    options = dict(enable_kv_cache_events=events, watermark=watermark, enable_caching=caching)
     # Both on kvpool's pool (itself checked against vLLM's by tests/pool): what differs
     # is only the allocate_slots and the coordinator's cache_blocks that run (vLLM's on
     # the vanilla side: bound on its coordinator).
@@ -105,6 +106,10 @@ def _run_differential(num_ops: int, num_blocks: int, seed: int, watermark: float
     # native side's pool evicts them itself).
     pool = vanilla.manager.block_pool
     pool._maybe_evict_cached_block = VllmBlockPool._maybe_evict_cached_block.__get__(pool)
+    # ... and vLLM's prefix-cache lookup (the native side's is lookup.pxi's).
+    vanilla_lookup = _vanilla(KVCacheManager, "get_computed_blocks")
+    vanilla.manager.get_computed_blocks = vanilla_lookup.__get__(vanilla.manager)
+    takes_max = "max_cache_hit_length" in inspect.signature(vanilla_lookup).parameters
     native = _Side(_manager(num_blocks, **options), KVCacheManager.allocate_slots)
     sides = (vanilla, native)
     live: list[str] = []
@@ -117,14 +122,17 @@ def _run_differential(num_ops: int, num_blocks: int, seed: int, watermark: float
             next_id += 1
             prompt = list(rng.choice(PREFIXES)) + [rng.randrange(1, 30_000) for _ in range(rng.randrange(1, 200))]
             chunk = rng.choice((16, 64, 512))
+            lookup_args = (rng.choice((None, 0, 15, 16, rng.randrange(len(prompt)))),) \
+                if takes_max and rng.random() < 0.3 else ()
             results = []
             for side in sides:
                 req = make_request(rid, prompt, max_tokens=10_000, block_size=BLOCK_SIZE)
-                blocks, hit = side.manager.get_computed_blocks(req)[:2]
+                blocks, hit, boundary = side.manager.get_computed_blocks(req, *lookup_args)
+                looked_up = (hit, boundary, _summary(side.manager, blocks))
                 n = min(chunk, len(prompt) - hit)
                 out = side.allocate_slots(side.manager, req, n, num_new_computed_tokens=hit,
                                           new_computed_blocks=blocks)
-                results.append((hit, _summary(side.manager, out)))
+                results.append((looked_up, _summary(side.manager, out)))
                 if out is not None:
                     req.status = RequestStatus.RUNNING
                     req.num_computed_tokens = hit + n
@@ -176,25 +184,36 @@ def _run_differential(num_ops: int, num_blocks: int, seed: int, watermark: float
     return counts
 
 
-@pytest.mark.parametrize("events", [True, False], ids=["kv-events", "no-events"])
+@pytest.mark.parametrize("events", [True, False, "no-caching"], ids=["kv-events", "no-events", "no-caching"])
 @pytest.mark.parametrize("num_blocks,watermark", [(64, 0.0), (400, 0.05)])
 def test_native_allocate_slots_matches_vllm(num_blocks, watermark, events):
     """Small pool: constant eviction, many refusals (None); larger pool with a
     watermark: long tables, prefix hits, the waiting/preempted watermark rule. With KV
     events the blocks are cached by vLLM's cache_full_blocks (the events are compared);
     without, natively (every block's hash and the hash map are compared; the vanilla
-    side's pool evicts through vLLM's callback, the native side's in kvpool's loop)."""
-    counts = _run_differential(NUM_OPS // 4, num_blocks, SEED + num_blocks, watermark, events)
+    side's pool evicts through vLLM's callback, the native side's in kvpool's loop).
+    With prefix caching off (vLLM's KVCacheCoordinatorNoPrefixCache) nothing is cached
+    or hit and the native path takes every call that has no computed blocks."""
+    caching = events != "no-caching"
+    events = events is True
+    counts = _run_differential(NUM_OPS // 4 if caching else NUM_OPS // 8, num_blocks,
+                               SEED + num_blocks, watermark, events, caching)
     print(f"\nmanager differential: seed {SEED + num_blocks}, {num_blocks} blocks, "
-          f"events {events}: {counts}")
+          f"events {events}, caching {caching}: {counts}")
     assert counts["fast_calls"] > counts["vllm_calls"] > 0
     assert counts["free"] > 0 and (counts["none"] > 0 or num_blocks > 64)
-    if events:
+    if not caching:
+        assert counts["native_cache_calls"] == counts["vllm_cache_calls"] == 0
+        assert counts["native_evictions"] == 0
+        assert counts["native_lookups"] == counts["add"] and counts["vllm_lookups"] == 0
+    elif events:
         assert counts["native_cache_calls"] == 0 < counts["vllm_cache_calls"]
         assert counts["native_evictions"] == 0
+        assert counts["native_lookups"] == 0 < counts["vllm_lookups"]
     else:
         assert counts["native_cache_calls"] > 10 * counts["vllm_cache_calls"]
         assert counts["native_evictions"] > 100
+        assert counts["native_lookups"] == counts["add"] and counts["vllm_lookups"] == 0
 
 
 # -- when the native path runs, and when vLLM's does ------------------------------------
@@ -283,6 +302,37 @@ def test_a_patched_skipped_method_sends_calls_to_vllm(monkeypatch, where):
     manager.allocate_slots(req, 1)
     assert _calls() == (fast + 2, slow + 1)
 
+
+
+@pytest.mark.parametrize("where", ["pool instance", "pool class", "queue count assigned"])
+def test_the_free_count_is_the_pools_own(monkeypatch, where):
+    """The native path reads the free count from kvpool's queue only while
+    ``get_num_free_blocks`` is vLLM's on the pool's class and instance; patched, it is
+    called (a full pool reported: None, as vLLM's allocate_slots returns); a count a
+    test assigned to the queue (vLLM's tests fake a full cache so) is what it reads."""
+    from kvpool.block_pool import BlockPool
+
+    kvpool.install()
+    manager = _manager(64)
+    req = _running(manager)
+    pool = manager.block_pool
+    for _ in range(BLOCK_SIZE - 40 % BLOCK_SIZE):   # decode to the end of the last block
+        assert manager.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+        req.append_output_token_ids(7)
+    fast, slow = _calls()
+    seen: list = []
+    if where == "queue count assigned":
+        pool.free_block_queue.num_free_blocks = 0
+    else:
+        target = pool if where == "pool instance" else BlockPool
+        _patch_counting(monkeypatch, target, "get_num_free_blocks", lambda *a: 0, seen)
+    assert manager.allocate_slots(req, 1) is None        # the next token needs a block
+    assert _calls() == (fast + 1, slow) and (seen or where == "queue count assigned")
+    monkeypatch.undo()
+    if where == "queue count assigned":
+        pool.free_block_queue.num_free_blocks = pool.free_block_queue.num_free_blocks + 60
+    assert manager.allocate_slots(req, 1) is not None
 
 
 def _cache_calls():
@@ -490,12 +540,185 @@ def test_an_int_like_request_field_goes_to_vllm():
     assert _calls() == (fast, slow + 1)
 
 
+# -- the prefix-cache lookup of a waiting request (lookup.pxi) -------------------------
+def _lookups():
+    state = _core.allocate_slots_fast_path_state()
+    return state["native_lookups"], state["vllm_lookups"]
+
+
+def _looked_up(manager, result):
+    blocks, hit, boundary = result
+    return (hit, boundary, blocks is manager.empty_kv_cache_blocks,
+            [[b if not hasattr(b, "block_id") else b.block_id for b in g] for g in blocks.blocks])
+
+
+def _cached_prefix(manager, prompt_len=70):
+    """Request "a" with a ``prompt_len``-token prompt, its full blocks cached; a
+    request "b" with the same prompt (not yet scheduled) to look up."""
+    _running(manager, "a", prompt_len)
+    return make_request("b", list(range(1, prompt_len + 1)), max_tokens=100, block_size=BLOCK_SIZE)
+
+
+def test_native_lookup_bound_by_install_and_undone_by_uninstall(monkeypatch):
+    from kvpool.patches.manager_fast_path import _vanilla
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    vanilla = KVCacheManager.get_computed_blocks
+    kvpool.install()
+    assert KVCacheManager.get_computed_blocks is _core.kv_cache_manager_get_computed_blocks
+    assert _vanilla(KVCacheManager, "get_computed_blocks") is vanilla
+    assert inspect.signature(KVCacheManager.get_computed_blocks) == inspect.signature(vanilla)
+    assert _core.allocate_slots_fast_path_state()["native_lookup"] is True
+    manager = _manager(64)
+    req = _cached_prefix(manager)
+    native, vllm = _lookups()
+    hit = manager.get_computed_blocks(req)
+    assert _lookups() == (native + 1, vllm)
+    assert _looked_up(manager, hit) == _looked_up(manager, vanilla(manager, req))
+    assert hit[1] == 64 and hit[0].blocks[0] == manager.coordinator.single_type_managers[0].req_to_blocks["a"][:4]
+    kvpool.uninstall()
+    assert KVCacheManager.get_computed_blocks is vanilla
+    monkeypatch.setenv("KVPOOL_PYTHON_MANAGER", "1")
+    kvpool.install()
+    assert KVCacheManager.get_computed_blocks is vanilla
+
+
+def _patch_classmethod_counting(monkeypatch, cls, name, seen: list) -> None:
+    original = getattr(cls, name).__func__
+
+    def counting(klass, *args, **kwargs):
+        seen.append(args)
+        return original(klass, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, classmethod(counting))
+
+
+@pytest.mark.parametrize("where", [
+    "manager class", "manager instance", "coordinator class", "coordinator instance",
+    "single-type class", "pool class", "pool instance", "map class", "map instance",
+    "module function"])
+def test_a_patched_lookup_function_is_called(monkeypatch, where):
+    """What the native get_computed_blocks skips, patched after install on a class or
+    an instance (or vLLM's resolve_block_hashes in the single-type managers' module),
+    is called again, and the lookup's result is vLLM's."""
+    from vllm.v1.core import single_type_kv_cache_manager as single_type
+    from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from kvpool.block_pool import BlockHashToBlockMap, BlockPool, VllmBlockPool
+
+    kvpool.install()
+    manager = _manager(64)
+    req = _cached_prefix(manager)
+    native, vllm = _lookups()
+    expected = _looked_up(manager, manager.get_computed_blocks(req))
+    assert expected[0] == 64 and _lookups() == (native + 1, vllm)
+    seen: list = []
+    coordinator = manager.coordinator
+    pool = manager.block_pool
+    targets = {
+        "manager class": (KVCacheManager, "prefix_cache_lookup_enabled", KVCacheManager.prefix_cache_lookup_enabled),
+        "manager instance": (manager, "create_kv_cache_blocks", KVCacheManager.create_kv_cache_blocks),
+        "coordinator class": (UnitaryKVCacheCoordinator, "find_longest_cache_hit",
+                              UnitaryKVCacheCoordinator.find_longest_cache_hit),
+        "coordinator instance": (coordinator, "find_longest_cache_hit",
+                                 UnitaryKVCacheCoordinator.find_longest_cache_hit),
+        "pool class": (BlockPool, "get_cached_block", VllmBlockPool.get_cached_block),
+        "pool instance": (pool, "get_cached_block", VllmBlockPool.get_cached_block),
+        "map class": (BlockHashToBlockMap, "get_one_block", BlockHashToBlockMap.get_one_block),
+        "map instance": (pool.cached_block_hash_to_block, "get_one_block", BlockHashToBlockMap.get_one_block),
+        "module function": (single_type, "resolve_block_hashes", single_type.resolve_block_hashes),
+    }
+    if where == "single-type class":
+        _patch_classmethod_counting(monkeypatch, single_type.FullAttentionManager, "find_longest_cache_hit", seen)
+    else:
+        _patch_counting(monkeypatch, *targets[where], seen)
+    assert _looked_up(manager, manager.get_computed_blocks(req)) == expected
+    assert seen and _lookups() == (native + 1, vllm + 1)
+    monkeypatch.undo()
+    assert _looked_up(manager, manager.get_computed_blocks(req)) == expected
+    assert _lookups() == (native + 2, vllm + 1)
+
+
+def test_the_lookup_stays_native_under_the_replays_probe():
+    """The replay's probe wraps the pool's cache_full_blocks and
+    _emit_block_removed_events on the instance (the caching and eviction then are
+    vLLM's); the lookup, which calls neither, stays native."""
+    from kvpool.block_pool import VllmBlockPool
+
+    kvpool.install()
+    manager = _manager(64)
+    req = _cached_prefix(manager)
+    pool = manager.block_pool
+    for name in ("cache_full_blocks", "_emit_block_removed_events"):
+        pool.__dict__[name] = getattr(VllmBlockPool, name).__get__(pool)
+    native, vllm = _lookups()
+    assert manager.get_computed_blocks(req)[1] == 64
+    assert _lookups() == (native + 1, vllm)
+
+
+class _Foreign:
+    block_id = -3   # a prefix-cache entry that is not a kvpool block
+
+
+@pytest.mark.parametrize("case", [
+    "max True", "max -1", "max 2.5", "max int-like", "max huge", "max 0", "max 33",
+    "max None", "skip reading", "caching off", "no tokens", "several blocks", "foreign entry",
+    "foreign in several", "events on"])
+def test_lookups_of_odd_arguments_and_entries_get_vllm_behaviour(case):
+    """Whatever vLLM's get_computed_blocks does with an odd argument, request or map
+    entry (computes, raises, returns a foreign object), the bound one does the same; a
+    key holding several blocks gives the first inserted."""
+    from kvpool.patches.manager_fast_path import _vanilla
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    kvpool.install()
+    vanilla = _vanilla(KVCacheManager, "get_computed_blocks")
+    results = []
+    for call in (vanilla, KVCacheManager.get_computed_blocks):
+        manager = _manager(64, enable_kv_cache_events=case == "events on")
+        req = _cached_prefix(manager)
+        cache = manager.block_pool.cached_block_hash_to_block._cache
+        key = req.block_hashes[1] + (0).to_bytes(4, "big")
+        args = ()
+        if case.startswith("max "):
+            args = ({"max True": True, "max -1": -1, "max 2.5": 2.5, "max int-like": _Index(40),
+                     "max huge": 2**70, "max 0": 0, "max 33": 33, "max None": None}[case],)
+        elif case == "skip reading":
+            req.skip_reading_prefix_cache = True
+        elif case == "caching off":
+            manager.enable_caching = False
+        elif case == "no tokens":
+            req = make_request("c", [], max_tokens=1, block_size=BLOCK_SIZE)
+        elif case == "several blocks":
+            other = manager.block_pool.get_new_blocks(1)[0]   # inserted first
+            cache[key] = {other.block_id: other, cache[key].block_id: cache[key]}
+        elif case == "foreign entry":
+            cache[key] = _Foreign()
+        elif case == "foreign in several":
+            cache[key] = {-3: _Foreign(), cache[key].block_id: cache[key]}
+        native = _lookups()[0]
+        try:
+            results.append(_looked_up(manager, call(manager, req, *args)))
+        except Exception as exc:  # the same exception on both
+            results.append((type(exc), str(exc)))
+        results.append(_lookups()[0] - native)
+    assert results[0] == results[2], results
+    # (vLLM's own function counts nothing; the bound one did the lookup natively where
+    # the case is the native path's.)
+    # (vLLM 0.30.0's get_computed_blocks has no max_cache_hit_length: both raise.)
+    takes_max = "max_cache_hit_length" in inspect.signature(vanilla).parameters
+    native_cases = ("skip reading", "caching off", "several blocks") + (
+        ("max 0", "max 33", "max None") if takes_max else ())
+    assert results[1] == 0 and results[3] == (case in native_cases), results
+
+
 # -- through vLLM's Scheduler: kvpool (native allocate_slots) against vLLM itself -------
-def _scheduler_trace(num_steps: int, num_blocks: int, seed: int) -> list:
+def _scheduler_trace(num_steps: int, num_blocks: int, seed: int, caching: bool = True) -> list:
     from tests.support.scheduler import make_scheduler, runner_output
 
     rng = random.Random(seed)
-    scheduler = make_scheduler(num_blocks=num_blocks, enable_prefix_caching=True)
+    scheduler = make_scheduler(num_blocks=num_blocks, enable_prefix_caching=caching)
     manager = scheduler.kv_cache_manager
     trace, next_id = [], 0
     for _ in range(num_steps):
@@ -512,17 +735,21 @@ def _scheduler_trace(num_steps: int, num_blocks: int, seed: int) -> list:
     return trace
 
 
-def test_scheduler_with_native_allocate_slots_matches_vllm():
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+def test_scheduler_with_native_allocate_slots_matches_vllm(caching):
     """A never-idle stream (16 requests, shared prefixes, chunked prefill, a pool small
     enough to preempt): every step's scheduled tokens, preemptions, new requests' block
-    ids, every table and the free count equal vLLM's own run."""
+    ids, every table and the free count equal vLLM's own run, with prefix caching on
+    and off (vLLM's KVCacheCoordinatorNoPrefixCache)."""
     kvpool.uninstall()
-    vanilla = _scheduler_trace(600, 300, SEED)
+    vanilla = _scheduler_trace(600, 300, SEED, caching)
     kvpool.install()
     fast, slow = _calls()
-    native = _scheduler_trace(600, 300, SEED)
+    native_lookups = _lookups()[0]
+    native = _scheduler_trace(600, 300, SEED, caching)
     fast_after, slow_after = _calls()
     assert fast_after - fast > 3 * (slow_after - slow) > 0
+    assert _lookups()[0] > native_lookups + 100      # the waiting requests' lookups
     assert any(step[1] for step in vanilla), "the pool never preempted"
     for i, (a, b) in enumerate(zip(vanilla, native)):
         assert a == b, f"step {i}"

@@ -12,16 +12,22 @@ how many blocks the request's next tokens need, usually none. It was about a thi
 the scheduler step's CPU in the profile of docs/performance.md.
 
 ``kvpool._core.kv_cache_manager_allocate_slots`` (``src/kvpool/manager.pxi``) does that
-arithmetic in C and calls the pool's own methods (``get_num_free_blocks``,
-``get_new_blocks``) whenever a block is allocated, so the pool, the tables and KV events
-change exactly as in vLLM. When blocks become full it caches them natively too
-(``kv_cache_coordinator_cache_blocks``, also bound as
+arithmetic in C (with prefix caching off too: vLLM's ``KVCacheCoordinatorNoPrefixCache``
+has the same allocation methods) and calls the pool's own ``get_new_blocks`` whenever a
+block is allocated, so the pool, the tables and KV events change exactly as in vLLM
+(the free count is read from kvpool's queue while ``get_num_free_blocks`` is vLLM's).
+When blocks become full it caches them natively too (``kv_cache_coordinator_cache_blocks``,
+also bound as
 ``UnitaryKVCacheCoordinator.cache_blocks``, which vLLM's ``allocate_slots`` calls for a
 new request): the four Python layers from the coordinator to
 ``BlockPool._insert_block_hash`` become one loop that sets each new full block's hash
 and inserts it into kvpool's ``BlockHashToBlockMap``, for a pool without KV events
 whose caching methods are vLLM's (with events, a block already hashed, a patched pool
-method: vLLM's code). Every other
+method: vLLM's code). Beside it, a waiting request's prefix-cache lookup
+(``KVCacheManager.get_computed_blocks`` -> the coordinator's and ``FullAttentionManager``'s
+``find_longest_cache_hit`` -> ``BlockPool.get_cached_block``) is one native loop over the
+request's block hashes (``kv_cache_manager_get_computed_blocks``, ``src/kvpool/lookup.pxi``).
+Every other
 call goes to vLLM's ``allocate_slots`` unchanged: a waiting or preempted request, a
 prefix hit, external or encoder tokens, ``full_sequence_must_fit``, a subclass of the
 manager, a coordinator or single-type manager of any other type, a pending
@@ -60,6 +66,8 @@ logger = logging.getLogger("vllm.kvpool")
 MIRRORED: tuple[tuple[str, str], ...] = (
     ("KVCacheManager", "allocate_slots"),
     ("KVCacheManager", "create_kv_cache_blocks"),
+    ("KVCacheManager", "get_computed_blocks"),
+    ("KVCacheManager", "prefix_cache_lookup_enabled"),
     ("UnitaryKVCacheCoordinator", "remove_skipped_blocks"),
     ("UnitaryKVCacheCoordinator", "get_num_blocks_to_allocate"),
     ("UnitaryKVCacheCoordinator", "allocate_new_computed_blocks"),
@@ -67,12 +75,17 @@ MIRRORED: tuple[tuple[str, str], ...] = (
     ("UnitaryKVCacheCoordinator", "cache_blocks"),
     ("UnitaryKVCacheCoordinator", "get_num_cacheable_tokens"),
     ("UnitaryKVCacheCoordinator", "get_replay_boundaries"),
+    ("UnitaryKVCacheCoordinator", "find_longest_cache_hit"),
     ("FullAttentionManager", "remove_skipped_blocks"),
     ("FullAttentionManager", "get_num_skipped_tokens"),
     ("FullAttentionManager", "get_num_blocks_to_allocate"),
+    # (its branch for a request without a num_cached_block entry: prefix caching off)
+    ("FullAttentionManager", "_get_num_evictable_blocks"),
+    ("FullAttentionManager", "_has_partial_local_hit"),
     ("FullAttentionManager", "allocate_new_blocks"),
     ("FullAttentionManager", "cache_blocks"),
     ("FullAttentionManager", "reachable_block_mask"),
+    ("FullAttentionManager", "find_longest_cache_hit"),
     ("SingleTypeKVCacheManager", "cache_blocks"),
     # What the native cache_blocks reproduces below the single-type manager:
     ("BlockPool", "cache_full_blocks"),
@@ -84,13 +97,18 @@ MIRRORED: tuple[tuple[str, str], ...] = (
     ("block_pool", "make_block_hash_with_group_id"),
     ("block_pool", "resolve_block_hashes"),
     ("kv_cache_coordinator", "replay_boundaries"),
+    # ... and what the native get_computed_blocks does (lookup.pxi):
+    ("BlockPool", "get_cached_block"),
+    ("single_type_kv_cache_manager", "resolve_block_hashes"),
+    # ... and the free count the native allocate_slots reads from kvpool's queue:
+    ("BlockPool", "get_num_free_blocks"),
 )
 
 #: sha256 of :func:`mirrored_source` per vLLM release whose functions the native path
 #: was written against and checked with that release's own tests (docs/conformance.md).
 KNOWN_SOURCES: dict[str, str] = {
-    "0.33.0": "15779d6796d00276c72c98430b938335b0439dad96af60964937da1eb99eb6e2",
-    "0.30.0": "7655648479474b363cdaaa1cd52f0b596396f6e749fd85fee4f61ec3b53124d7",
+    "0.33.0": "83639507599393d4a84e710530abd061343a38fc13f9d90c8a7556c3d9756556",
+    "0.30.0": "7af2f0e444897e7320179b7987777eaa2a0cc136660bfff4ac93ae40aeca956e",
 }
 
 #: sha256 of the source of ``KVCacheBlocks.get_block_ids`` per release whose function
@@ -107,15 +125,23 @@ _COORDINATOR_NAMES = ("remove_skipped_blocks", "get_num_blocks_to_allocate",
                       "get_num_cacheable_tokens", "get_replay_boundaries")
 _SINGLE_TYPE_NAMES = ("remove_skipped_blocks", "get_num_skipped_tokens",
                       "get_num_blocks_to_allocate", "allocate_new_blocks", "cache_blocks",
-                      "_cache_partial_tail_block", "reachable_block_mask")
+                      "_cache_partial_tail_block", "reachable_block_mask",
+                      "_get_num_evictable_blocks", "_has_partial_local_hit")
 
 
 # kvpool's BlockHashToBlockMap methods the native loops replace (class and instance).
-_MAP_NAMES = ("contain", "insert", "pop")
+_MAP_NAMES = ("contain", "insert", "pop", "get_one_block")
 # Pool methods the native cache_blocks and eviction skip, which must not be set on the
 # pool instance (the replay's probe, for one, wraps cache_full_blocks there).
 _POOL_NAMES = ("cache_full_blocks", "_insert_block_hash", "_maybe_evict_cached_block",
-               "_remove_cached_block_hashes", "_emit_block_removed_events")
+               "_remove_cached_block_hashes", "_emit_block_removed_events", "get_cached_block",
+               "get_num_free_blocks")
+# ... and those the native get_computed_blocks skips (manager, coordinator, single type).
+_LOOKUP_MANAGER_NAMES = ("prefix_cache_lookup_enabled", "create_kv_cache_blocks")
+_LOOKUP_COORDINATOR_NAMES = ("find_longest_cache_hit",)
+_LOOKUP_SINGLE_TYPE_NAMES = ("find_longest_cache_hit",)
+# The methods kvpool binds (not checked to be vLLM's: they are kvpool's once bound).
+_BOUND = (("KVCacheManager", "allocate_slots"), ("KVCacheManager", "get_computed_blocks"))
 
 
 def _classes() -> dict[str, Any]:
@@ -131,11 +157,13 @@ def _classes() -> dict[str, Any]:
     return {
         "KVCacheManager": kv_cache_manager.KVCacheManager,
         "UnitaryKVCacheCoordinator": kv_cache_coordinator.UnitaryKVCacheCoordinator,
+        "KVCacheCoordinatorNoPrefixCache": getattr(kv_cache_coordinator, "KVCacheCoordinatorNoPrefixCache", None),
         "FullAttentionManager": single_type_kv_cache_manager.FullAttentionManager,
         "SingleTypeKVCacheManager": single_type_kv_cache_manager.SingleTypeKVCacheManager,
         "BlockPool": VllmBlockPool,
         "block_pool": block_pool,
         "kv_cache_coordinator": kv_cache_coordinator,
+        "single_type_kv_cache_manager": single_type_kv_cache_manager,
     }
 
 
@@ -247,10 +275,55 @@ def _bind_cache_blocks(patcher, classes: dict[str, Any]) -> bool:
     return True
 
 
+def _no_prefix_cache_coordinator(classes: dict[str, Any]):
+    """vLLM's ``KVCacheCoordinatorNoPrefixCache`` (the coordinator of every model when
+    prefix caching is off) when each coordinator method the native allocate_slots
+    skips is the vLLM function ``UnitaryKVCacheCoordinator`` has (the fingerprinted
+    one), else None (its calls stay vLLM's)."""
+    cls = classes.get("KVCacheCoordinatorNoPrefixCache")
+    unitary = classes["UnitaryKVCacheCoordinator"]
+    if cls is None:
+        return None
+    for name in _COORDINATOR_NAMES:
+        if _bound_function(cls, name) is not _bound_function(unitary, name) \
+                and _bound_function(cls, name) is not _vanilla(unitary, name):
+            return None
+    return cls
+
+
+#: MIRRORED's entries that are functions of a vLLM module's namespace.
+_MODULES = ("block_pool", "kv_cache_coordinator", "single_type_kv_cache_manager")
+
+
+def _bind_get_computed_blocks(patcher, classes: dict[str, Any], release: str) -> None:
+    """``kv_cache_manager_get_computed_blocks`` as ``KVCacheManager.get_computed_blocks``
+    (a waiting request's prefix-cache lookup; it reads the map the native caching
+    writes, so it is bound only beside it)."""
+    from kvpool import _core
+
+    manager_cls = classes["KVCacheManager"]
+    module = classes["single_type_kv_cache_manager"]
+    vanilla = manager_cls.get_computed_blocks
+    _core.configure_prefix_lookup(
+        vanilla=vanilla,
+        # what FullAttentionManager.find_longest_cache_hit asserts its spec is
+        lookup_specs=(module.FullAttentionSpec, module.ChunkedLocalAttentionSpec),
+        eagle_attr="eagle_group_ids" if release == "0.30.0" else "drop_eagle_group_ids",
+        takes_max_length=release != "0.30.0",
+        manager_names=_LOOKUP_MANAGER_NAMES,
+        coordinator_names=_LOOKUP_COORDINATOR_NAMES,
+        single_type_names=_LOOKUP_SINGLE_TYPE_NAMES,
+    )
+    lookup = _core.kv_cache_manager_get_computed_blocks
+    lookup.__wrapped__ = lookup.__kvpool_wrapped__ = vanilla
+    patcher.set_attr(manager_cls, "get_computed_blocks", lookup)
+
+
 def apply(patcher) -> None:
     """Bind ``kvpool._core.kv_cache_manager_allocate_slots`` as
-    ``KVCacheManager.allocate_slots`` and ``kv_cache_coordinator_cache_blocks`` as
-    ``UnitaryKVCacheCoordinator.cache_blocks`` when the installed vLLM's mirrored
+    ``KVCacheManager.allocate_slots``, ``kv_cache_coordinator_cache_blocks`` as
+    ``UnitaryKVCacheCoordinator.cache_blocks`` and ``kv_cache_manager_get_computed_blocks``
+    as ``KVCacheManager.get_computed_blocks`` when the installed vLLM's mirrored
     functions are a known release's and none is wrapped by other code (doing what the
     policy's manager hooks do, if it has them), and ``kv_cache_blocks_get_block_ids``
     when ``get_block_ids`` is (called by ``kvpool.install()``; undone by
@@ -286,9 +359,14 @@ def apply(patcher) -> None:
     vanilla_cache_blocks = coordinator_cls.cache_blocks
     native_cache = _bind_cache_blocks(patcher, classes)
     class_checks = [(classes[c], n, _bound_function(classes[c], n)) for c, n in MIRRORED
-                    if c in _CHECKED_CLASSES and (c, n) != ("KVCacheManager", "allocate_slots")]
+                    if c in _CHECKED_CLASSES and (c, n) not in _BOUND]
+    no_prefix_cache_cls = _no_prefix_cache_coordinator(classes)
+    if no_prefix_cache_cls is not None:
+        class_checks += [(no_prefix_cache_cls, n, _bound_function(no_prefix_cache_cls, n))
+                         for n in _COORDINATOR_NAMES if hasattr(no_prefix_cache_cls, n)]
     vanilla = manager_cls.allocate_slots
     _core.configure_allocate_slots_fast_path(
+        no_prefix_cache_cls=no_prefix_cache_cls,
         manager_cls=manager_cls,
         coordinator_cls=coordinator_cls,
         full_attention_cls=classes["FullAttentionManager"],
@@ -313,12 +391,14 @@ def apply(patcher) -> None:
         check_prefix_cacheable=release != "0.30.0",
         vanilla_cache_blocks=vanilla_cache_blocks,
         module_functions=tuple((vars(classes[c]), n, getattr(classes[c], n)) for c, n in MIRRORED
-                               if c in ("block_pool", "kv_cache_coordinator") and hasattr(classes[c], n)),
+                               if c in _MODULES and hasattr(classes[c], n)),
     )
     fast = _core.kv_cache_manager_allocate_slots
     fast.__wrapped__ = vanilla          # inspect.signature() shows vLLM's
     fast.__kvpool_wrapped__ = vanilla
     patcher.set_attr(manager_cls, "allocate_slots", fast)
+    if native_cache:
+        _bind_get_computed_blocks(patcher, classes, release)
 
 
 __all__ = ["KNOWN_SOURCES", "MIRRORED", "apply", "matching_release", "mirrored_source",

@@ -1,0 +1,171 @@
+# The prefix-cache lookup of a waiting request in one native call:
+# KVCacheManager.get_computed_blocks for a model with one full-attention KV cache group
+# (issue 17).
+#
+# Mirrors vllm/v1/core/kv_cache_manager.py KVCacheManager.get_computed_blocks and what
+# it calls for that shape (prefix_cache_lookup_enabled; UnitaryKVCacheCoordinator.
+# find_longest_cache_hit; FullAttentionManager.find_longest_cache_hit;
+# kv_cache_utils.resolve_block_hashes; BlockPool.get_cached_block;
+# make_block_hash_with_group_id; kvpool's BlockHashToBlockMap.get_one_block;
+# create_kv_cache_blocks), vLLM 0.30.0 and 0.33.0, fingerprinted with the rest of the
+# fast path (kvpool.patches.manager_fast_path.MIRRORED). When the block size is the
+# hash block size, the hit is not fine-grained, no EAGLE block is dropped, there is no
+# context parallelism and no KV events, those calls reduce to:
+#
+#   max_length = max_cache_hit_length, or request.num_tokens - 1 when None
+#   hit        = the longest run of request.block_hashes[:max_length // block_size]
+#                from the start whose (hash + group 0) key is in the prefix-cache map
+#                (a key with several blocks: the first inserted)
+#   returns    (KVCacheBlocks((hit,)) or the manager's empty_kv_cache_blocks,
+#               len(hit) * block_size, 0)
+#
+# The lookup changes nothing, so every call that is not of that shape (another
+# coordinator or manager type, a patched method, a hash or map entry of another type)
+# is handed to vLLM's get_computed_blocks before or after any read, unchanged.
+
+cdef object _NOT_GIVEN = object()   # get_computed_blocks' max_cache_hit_length not passed
+cdef bytes _GROUP_0 = b"\x00\x00\x00\x00"   # make_block_hash_with_group_id's suffix, group 0
+# The pool method the lookup skips (an instance patch of the caching methods, such as the
+# replay's probe of cache_full_blocks, does not concern it).
+cdef tuple _LOOKUP_POOL_NAMES = ("get_cached_block",)
+
+
+def configure_prefix_lookup(*, vanilla, lookup_specs, eagle_attr, takes_max_length,
+                            manager_names, coordinator_names, single_type_names):
+    """Arm :func:`kv_cache_manager_get_computed_blocks` beside the allocate_slots fast
+    path (after :func:`configure_allocate_slots_fast_path`, which disarms it; called by
+    ``kvpool.patches.manager_fast_path``). ``vanilla``: vLLM's ``get_computed_blocks``;
+    ``lookup_specs``: the spec types ``FullAttentionManager.find_longest_cache_hit``
+    asserts; ``eagle_attr``: the coordinator attribute naming its EAGLE groups
+    (``drop_eagle_group_ids`` in 0.33.0, ``eagle_group_ids`` in 0.30.0);
+    ``takes_max_length``: the release's ``get_computed_blocks`` has the
+    ``max_cache_hit_length`` parameter; ``*_names``: methods that must not be set on the
+    manager / coordinator / single-type manager instances."""
+    _fast_path.vanilla_lookup = vanilla
+    _fast_path.lookup_specs = tuple(lookup_specs)
+    _fast_path.eagle_attr = str(eagle_attr)
+    _fast_path.lookup_takes_max = bool(takes_max_length)
+    _fast_path.lookup_manager_names = tuple(manager_names)
+    _fast_path.lookup_coordinator_names = tuple(coordinator_names)
+    _fast_path.lookup_single_type_names = tuple(single_type_names)
+    _fast_path.native_lookups = 0
+    _fast_path.vllm_lookups = 0
+    _fast_path.native_lookup = True
+
+
+def kv_cache_manager_get_computed_blocks(self, request, max_cache_hit_length=_NOT_GIVEN,
+                                         *args, **kwargs):
+    """``KVCacheManager.get_computed_blocks`` (vllm/v1/core/kv_cache_manager.py, vLLM
+    0.30.0-0.33.0): the request's longest prefix-cache hit, as
+    ``(KVCacheBlocks, num_computed_tokens, shared_prefix_boundary)`` (tokens; the blocks
+    are full and in table order), done natively for a one-group full-attention model
+    and by vLLM's function otherwise; same arguments (``max_cache_hit_length`` only
+    where the release has it), results and exceptions as vLLM's. Changes nothing."""
+    cdef _AllocateSlotsFastPath fp = _fast_path
+    result = _VLLM
+    if fp.enabled and fp.native_lookup and not args and not kwargs:
+        result = _get_computed_blocks_native(fp, self, request, max_cache_hit_length)
+    if result is not _VLLM:
+        fp.native_lookups += 1
+        return result
+    fp.vllm_lookups += 1
+    if max_cache_hit_length is _NOT_GIVEN:
+        return fp.vanilla_lookup(self, request, *args, **kwargs)
+    return fp.vanilla_lookup(self, request, max_cache_hit_length, *args, **kwargs)
+
+
+cdef inline bint _is_int_one(object x):
+    return type(x) is int and x == 1
+
+
+cdef object _get_computed_blocks_native(_AllocateSlotsFastPath fp, self, request,
+                                        max_length_o):
+    """The lookup, or _VLLM when the call is vLLM's (nothing has changed either way)."""
+    cdef long long max_length, block_size, n, i, limit
+    if type(self) is not fp.manager_cls:
+        return _VLLM
+    if max_length_o is not _NOT_GIVEN and not fp.lookup_takes_max:
+        return _VLLM        # (vLLM's raises the TypeError)
+    if not fp.classes_unchanged() or not _not_overridden(self, fp.lookup_manager_names):
+        return _VLLM
+    # prefix_cache_lookup_enabled (first, as in vLLM: with prefix caching off, whatever
+    # the coordinator, the lookup is empty)
+    enable_caching = self.enable_caching
+    if enable_caching is not True and enable_caching is not False:
+        return _VLLM
+    if enable_caching is False:
+        return (self.empty_kv_cache_blocks, 0, 0)
+    skip = request.skip_reading_prefix_cache
+    if skip is True:
+        return (self.empty_kv_cache_blocks, 0, 0)
+    if skip is not False or self.enable_kv_cache_events is not False:
+        return _VLLM
+    coordinator = self.coordinator
+    if type(coordinator) is not fp.coordinator_cls:
+        return _VLLM
+    managers = coordinator.single_type_managers
+    if type(managers) is not tuple or len(<tuple>managers) != 1:
+        return _VLLM
+    mgr = (<tuple>managers)[0]
+    if (type(mgr) is not fp.full_attention_cls
+            or not _not_overridden(coordinator, fp.lookup_coordinator_names)
+            or not _not_overridden(mgr, fp.lookup_single_type_names)):
+        return _VLLM
+    if max_length_o is _NOT_GIVEN or max_length_o is None:
+        if not _nonneg(request.num_tokens, &n) or n == 0:
+            return _VLLM
+        max_length = n - 1
+    elif not _nonneg(max_length_o, &max_length):
+        return _VLLM
+    # UnitaryKVCacheCoordinator.find_longest_cache_hit ->
+    # FullAttentionManager.find_longest_cache_hit (group 0, the coordinator's pool/spec)
+    pool = coordinator.block_pool
+    cache_o = _native_map_cache(fp, pool, _LOOKUP_POOL_NAMES)
+    if (cache_o is None or not _is_int_one(coordinator.dcp_world_size)
+            or not _is_int_one(coordinator.pcp_world_size)):
+        return _VLLM
+    eagle_group_ids = getattr(coordinator, fp.eagle_attr, None)
+    if eagle_group_ids is None or 0 in eagle_group_ids:
+        return _VLLM
+    spec = coordinator.kv_cache_spec
+    if (not isinstance(spec, fp.lookup_specs)
+            or not _nonneg(spec.block_size, &block_size) or block_size == 0
+            or not _nonneg(coordinator.block_size, &n) or n != block_size  # alignment
+            or not _nonneg(pool.hash_block_size, &n) or n != block_size):
+        return _VLLM
+    block_hashes_o = request.block_hashes
+    if type(block_hashes_o) is not list:
+        return _VLLM
+    return _longest_hit(fp, self, <list>block_hashes_o, <dict>cache_o, block_size,
+                        max_length // block_size)
+
+
+cdef object _longest_hit(_AllocateSlotsFastPath fp, self, list block_hashes, dict cache,
+                         long long block_size, long long limit):
+    """Phase 1 of ``FullAttentionManager.find_longest_cache_hit`` on ``cache`` (the
+    map's dict) and ``create_kv_cache_blocks``; _VLLM for an entry of another type."""
+    cdef list hit = []
+    cdef long long i = 0
+    # (Reads only: dict.get on exact bytes keys and list indexing run no Python code
+    # of anyone's, and the bounds are re-checked each iteration.)
+    while i < limit and i < len(block_hashes):
+        block_hash = block_hashes[i]
+        if type(block_hash) is not bytes:
+            return _VLLM
+        entry = cache.get(<bytes>block_hash + _GROUP_0)
+        if entry is None:
+            break
+        if type(entry) is dict:
+            # BlockHashToBlockMap.get_one_block: the first block inserted under the key
+            if len(<dict>entry) == 0:
+                return _VLLM
+            for first in (<dict>entry).values():
+                entry = first
+                break
+        if type(entry) is not KVCacheBlock:
+            return _VLLM
+        hit.append(entry)
+        i += 1
+    if len(hit) == 0:
+        return (self.empty_kv_cache_blocks, 0, 0)
+    return (fp.manager_module_dict["KVCacheBlocks"]((hit,)), len(hit) * block_size, 0)

@@ -1,0 +1,49 @@
+"""The benchmark ratio table CI gates (benchmarks/ratios.py, benchmarks/check_ratios.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import check_ratios
+from benchmarks.ratios import TARGETS, ratio_rows
+
+
+def _bench(group, impl, median, round_=None):
+    extra = {"impl": impl, "blocks": 10}
+    if round_ is not None:
+        extra["round"] = round_
+    return {"group": group, "name": f"{group}[{impl}]", "median": median, "extra_info": extra}
+
+
+def test_numbered_rounds_are_compared_round_by_round():
+    """Round r of every mode is the same work: the ratio is the median of the rounds'
+    ratios (0.5, 4, 4/3 -> 4/3), not the ratio of the modes' medians (4 / 2)."""
+    vllm, kvpool = [1.0, 4.0, 4.0], [2.0, 1.0, 3.0]
+    rows = ratio_rows([_bench("g", "vllm", v, r) for r, v in enumerate(vllm)]
+                      + [_bench("g", "kvpool", k, r) for r, k in enumerate(kvpool)])
+    assert rows[0]["ratio"] == pytest.approx(4 / 3)
+    assert (rows[0]["vllm_s"], rows[0]["kvpool_s"]) == (4.0, 2.0)  # the printed medians
+
+
+def test_benchmarks_without_rounds_use_the_ratio_of_medians():
+    rows = ratio_rows([_bench("reorder", "vllm", 3.0), _bench("reorder", "kvpool", 0.01)])
+    assert rows[0]["ratio"] == pytest.approx(300.0) and rows[0]["target"] == TARGETS["reorder"]
+
+
+def _write(tmp_path, name, ratio):
+    path = tmp_path / name
+    benchmarks = [{"group": "reorder", "name": n, "stats": {"median": m}, "extra_info": {"impl": i}}
+                  for n, i, m in (("a", "vllm", 1.0), ("b", "kvpool", 1.0 / ratio))]
+    path.write_text(json.dumps({"benchmarks": benchmarks}))
+    return str(path)
+
+
+def test_ci_fails_only_when_a_ratio_is_below_target_in_every_run(tmp_path, capsys):
+    low, high = TARGETS["reorder"] / 2, TARGETS["reorder"] * 2
+    assert check_ratios.main([_write(tmp_path, "1.json", high)]) == 0
+    assert check_ratios.main([_write(tmp_path, "2.json", low)]) == 1
+    assert check_ratios.main([_write(tmp_path, "2.json", low), _write(tmp_path, "3.json", high)]) == 0
+    assert check_ratios.main([_write(tmp_path, "2.json", low), _write(tmp_path, "4.json", low)]) == 1
+    assert "below target in every run: reorder" in capsys.readouterr().out
