@@ -19,9 +19,12 @@
 #   returns    (KVCacheBlocks((hit,)) or the manager's empty_kv_cache_blocks,
 #               len(hit) * block_size, 0)
 #
-# The lookup changes nothing, so every call that is not of that shape (another
-# coordinator or manager type, a patched method, a hash or map entry of another type)
-# is handed to vLLM's get_computed_blocks before or after any read, unchanged.
+# Every call that is not of that shape (another coordinator or manager type, a patched
+# method, KV events) is handed to vLLM's get_computed_blocks before the request is read;
+# from the request's first read on, the native loop does what vLLM's does with vLLM's
+# operations (any hash or map entry type), so nothing is read twice.
+
+from itertools import islice as _islice
 
 cdef object _NOT_GIVEN = object()   # get_computed_blocks' max_cache_hit_length not passed
 cdef bytes _GROUP_0 = b"\x00\x00\x00\x00"   # make_block_hash_with_group_id's suffix, group 0
@@ -80,26 +83,27 @@ cdef inline bint _is_int_one(object x):
 
 cdef object _get_computed_blocks_native(_AllocateSlotsFastPath fp, self, request,
                                         max_length_o):
-    """The lookup, or _VLLM when the call is vLLM's (nothing has changed either way)."""
-    cdef long long max_length, block_size, n, i, limit
+    """The lookup, or _VLLM when the call is vLLM's. Everything that decides is read from
+    the manager, its coordinator, managers and pool before the request is read; from the
+    request's first read on, the call is this function's to finish, reading what vLLM
+    reads in vLLM's order with vLLM's operations, so that a request or map entry whose
+    Python code (a property, ``__eq__``, ``__bool__``) counts or changes things sees
+    exactly vLLM's reads."""
+    cdef long long block_size, n
     if type(self) is not fp.manager_cls:
         return _VLLM
     if max_length_o is not _NOT_GIVEN and not fp.lookup_takes_max:
         return _VLLM        # (vLLM's raises the TypeError)
     if not fp.classes_unchanged() or not _not_overridden(self, fp.lookup_manager_names):
         return _VLLM
-    # prefix_cache_lookup_enabled (first, as in vLLM: with prefix caching off, whatever
-    # the coordinator, the lookup is empty)
+    # prefix_cache_lookup_enabled: `self.enable_caching and not request.skip_...`
     enable_caching = self.enable_caching
-    if enable_caching is not True and enable_caching is not False:
-        return _VLLM
     if enable_caching is False:
         return (self.empty_kv_cache_blocks, 0, 0)
-    skip = request.skip_reading_prefix_cache
-    if skip is True:
-        return (self.empty_kv_cache_blocks, 0, 0)
-    if skip is not False or self.enable_kv_cache_events is not False:
+    if enable_caching is not True or self.enable_kv_cache_events is not False:
         return _VLLM
+    # UnitaryKVCacheCoordinator.find_longest_cache_hit ->
+    # FullAttentionManager.find_longest_cache_hit (group 0, the coordinator's pool/spec)
     coordinator = self.coordinator
     if type(coordinator) is not fp.coordinator_cls:
         return _VLLM
@@ -111,21 +115,13 @@ cdef object _get_computed_blocks_native(_AllocateSlotsFastPath fp, self, request
             or not _not_overridden(coordinator, fp.lookup_coordinator_names)
             or not _not_overridden(mgr, fp.lookup_single_type_names)):
         return _VLLM
-    if max_length_o is _NOT_GIVEN or max_length_o is None:
-        if not _nonneg(request.num_tokens, &n) or n == 0:
-            return _VLLM
-        max_length = n - 1
-    elif not _nonneg(max_length_o, &max_length):
-        return _VLLM
-    # UnitaryKVCacheCoordinator.find_longest_cache_hit ->
-    # FullAttentionManager.find_longest_cache_hit (group 0, the coordinator's pool/spec)
     pool = coordinator.block_pool
     cache_o = _native_map_cache(fp, pool, _LOOKUP_POOL_NAMES)
     if (cache_o is None or not _is_int_one(coordinator.dcp_world_size)
             or not _is_int_one(coordinator.pcp_world_size)):
         return _VLLM
     eagle_group_ids = getattr(coordinator, fp.eagle_attr, None)
-    if eagle_group_ids is None or 0 in eagle_group_ids:
+    if type(eagle_group_ids) not in (list, tuple, set, frozenset) or 0 in eagle_group_ids:
         return _VLLM
     spec = coordinator.kv_cache_spec
     if (not isinstance(spec, fp.lookup_specs)
@@ -133,39 +129,45 @@ cdef object _get_computed_blocks_native(_AllocateSlotsFastPath fp, self, request
             or not _nonneg(coordinator.block_size, &n) or n != block_size  # alignment
             or not _nonneg(pool.hash_block_size, &n) or n != block_size):
         return _VLLM
-    block_hashes_o = request.block_hashes
-    if type(block_hashes_o) is not list:
-        return _VLLM
-    return _longest_hit(fp, self, <list>block_hashes_o, <dict>cache_o, block_size,
-                        max_length // block_size)
+    # From here on the call is this function's (the request is read).
+    if request.skip_reading_prefix_cache:
+        return (self.empty_kv_cache_blocks, 0, 0)
+    if max_length_o is _NOT_GIVEN or max_length_o is None:
+        max_length_o = request.num_tokens - 1
+    return _longest_hit(fp, self, request.block_hashes, pool, <dict>cache_o, block_size,
+                        max_length_o)
 
 
-cdef object _longest_hit(_AllocateSlotsFastPath fp, self, list block_hashes, dict cache,
-                         long long block_size, long long limit):
-    """Phase 1 of ``FullAttentionManager.find_longest_cache_hit`` on ``cache`` (the
-    map's dict) and ``create_kv_cache_blocks``; _VLLM for an entry of another type."""
+cdef object _longest_hit(_AllocateSlotsFastPath fp, self, block_hashes, pool, dict cache,
+                         long long block_size, max_length):
+    """Phase 1 of ``FullAttentionManager.find_longest_cache_hit`` on ``cache`` (the map's
+    dict; ``resolve_block_hashes`` returns ``block_hashes`` itself when the block is the
+    hash block) and ``create_kv_cache_blocks``, with vLLM's operations: ``islice`` of the
+    hashes, ``hash + group id`` (``make_block_hash_with_group_id``), the map's
+    ``get_one_block`` (a dict's first block) and ``get_cached_block``'s ``if not block``."""
     cdef list hit = []
-    cdef long long i = 0
-    # (Reads only: dict.get on exact bytes keys and list indexing run no Python code
-    # of anyone's, and the bounds are re-checked each iteration.)
-    while i < limit and i < len(block_hashes):
-        block_hash = block_hashes[i]
-        if type(block_hash) is not bytes:
-            return _VLLM
-        entry = cache.get(<bytes>block_hash + _GROUP_0)
+    hash_map = pool.cached_block_hash_to_block
+    for block_hash in _islice(block_hashes, max_length // block_size):
+        if pool.cached_block_hash_to_block is not hash_map or hash_map._cache is not cache:
+            # (Python code run by a lookup, a key's __eq__, replaced the map: vLLM's
+            # get_cached_block from here on, as vLLM's loop would call it.)
+            cached = pool.get_cached_block(block_hash, [0])
+            if not cached:
+                break
+            hit.append(cached[0])
+            continue
+        if type(block_hash) is bytes:
+            key = <bytes>block_hash + _GROUP_0
+        else:
+            key = block_hash + (0).to_bytes(4, "big", signed=False)
+        entry = cache.get(key)
         if entry is None:
             break
         if type(entry) is dict:
-            # BlockHashToBlockMap.get_one_block: the first block inserted under the key
-            if len(<dict>entry) == 0:
-                return _VLLM
-            for first in (<dict>entry).values():
-                entry = first
-                break
-        if type(entry) is not KVCacheBlock:
-            return _VLLM
+            entry = next(iter((<dict>entry).values()))
+        if not entry:
+            break
         hit.append(entry)
-        i += 1
     if len(hit) == 0:
         return (self.empty_kv_cache_blocks, 0, 0)
     return (fp.manager_module_dict["KVCacheBlocks"]((hit,)), len(hit) * block_size, 0)

@@ -345,7 +345,12 @@ cdef object _allocate_slots_native(self, request, num_new_tokens, num_new_comput
             or request_id in getattr(mgr, "_partial_hit_reqs", ())  # a pending CoW copy
             or not _nonneg(mgr.block_size, &block_size) or block_size == 0
             or not _nonneg(self.max_model_len, &max_len)
-            or not _nonneg(request.num_computed_tokens, &computed)):
+            or not _nonneg(request.num_computed_tokens, &computed)
+            # read by vLLM's arithmetic and discarded for this shape (remove_skipped_blocks'
+            # in-flight tokens and prompt length, 0.33.0's prefill_end): of another type
+            # they make vLLM's raise, so they are vLLM's to read
+            or type(request.num_in_flight_tokens) is not int
+            or type(request.num_prompt_tokens) is not int):
         return _VLLM
     if has_scheduled_reqs:
         status = request.status

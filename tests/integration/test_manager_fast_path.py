@@ -540,6 +540,28 @@ def test_an_int_like_request_field_goes_to_vllm():
     assert _calls() == (fast, slow + 1)
 
 
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+@pytest.mark.parametrize("field", ["num_prompt_tokens", "num_in_flight_tokens"])
+def test_a_request_field_vllm_reads_and_discards_is_still_vllms_to_read(field, caching):
+    """vLLM's allocate_slots reads the prompt length and the in-flight tokens even when
+    they change nothing for this shape; of another type its arithmetic raises, and so
+    does the bound one's (a breaker's finding)."""
+    from kvpool.patches.manager_fast_path import _vanilla
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    kvpool.install()
+    results = []
+    for call in (_vanilla(KVCacheManager, "allocate_slots"), KVCacheManager.allocate_slots):
+        manager = _manager(64, enable_caching=caching)
+        req = _running(manager)
+        setattr(req, field, None)
+        try:
+            results.append(_summary(manager, call(manager, req, 1)))
+        except Exception as exc:
+            results.append((type(exc), str(exc)))
+    assert results[0] == results[1], results    # (0.33.0: both raise TypeError)
+
+
 # -- the prefix-cache lookup of a waiting request (lookup.pxi) -------------------------
 def _lookups():
     state = _core.allocate_slots_fast_path_state()
@@ -664,7 +686,7 @@ class _Foreign:
 @pytest.mark.parametrize("case", [
     "max True", "max -1", "max 2.5", "max int-like", "max huge", "max 0", "max 33",
     "max None", "skip reading", "caching off", "no tokens", "several blocks", "foreign entry",
-    "foreign in several", "events on"])
+    "foreign in several", "events on", "counted property", "tuple of hashes", "key's __eq__"])
 def test_lookups_of_odd_arguments_and_entries_get_vllm_behaviour(case):
     """Whatever vLLM's get_computed_blocks does with an odd argument, request or map
     entry (computes, raises, returns a foreign object), the bound one does the same; a
@@ -697,6 +719,37 @@ def test_lookups_of_odd_arguments_and_entries_get_vllm_behaviour(case):
             cache[key] = _Foreign()
         elif case == "foreign in several":
             cache[key] = {-3: _Foreign(), cache[key].block_id: cache[key]}
+        elif case in ("counted property", "tuple of hashes"):
+            # A property that is False only on its first read: read twice, the lookup
+            # would differ (a breaker's finding); with a tuple of hashes too.
+            reads = []
+            sub = type("CountingRequest", (type(req),), {"skip_reading_prefix_cache": property(
+                lambda self: (reads.append(1), len(reads) > 1)[1])})
+            state = dict(vars(req))
+            state.pop("skip_reading_prefix_cache", None)
+            req.__class__ = sub
+            req.__dict__.clear()
+            req.__dict__.update(state)
+            if case == "tuple of hashes":
+                req.block_hashes = tuple(req.block_hashes)
+        elif case == "key's __eq__":
+            # A map key whose __eq__ runs during the lookup and changes the request's
+            # hashes (the next one becomes an equal bytes subclass) and answers equal once.
+            calls = []
+            hashes = req.block_hashes
+
+            class Key:
+                def __hash__(self):
+                    return hash(hashes[0] + (0).to_bytes(4, "big"))
+
+                def __eq__(self, other):
+                    calls.append(1)
+                    if len(calls) == 1:
+                        hashes[1] = type("B", (bytes,), {})(hashes[1])
+                    return len(calls) == 1
+
+            first = hashes[0] + (0).to_bytes(4, "big")
+            cache[Key()] = cache.pop(first)
         native = _lookups()[0]
         try:
             results.append(_looked_up(manager, call(manager, req, *args)))
@@ -704,13 +757,13 @@ def test_lookups_of_odd_arguments_and_entries_get_vllm_behaviour(case):
             results.append((type(exc), str(exc)))
         results.append(_lookups()[0] - native)
     assert results[0] == results[2], results
-    # (vLLM's own function counts nothing; the bound one did the lookup natively where
-    # the case is the native path's.)
-    # (vLLM 0.30.0's get_computed_blocks has no max_cache_hit_length: both raise.)
+    # vLLM's own function counts nothing; the bound one does every lookup that returns
+    # natively but with KV events on (vLLM 0.30.0's get_computed_blocks has no
+    # max_cache_hit_length: both raise its TypeError).
+    raised = isinstance(results[2][0], type)
     takes_max = "max_cache_hit_length" in inspect.signature(vanilla).parameters
-    native_cases = ("skip reading", "caching off", "several blocks") + (
-        ("max 0", "max 33", "max None") if takes_max else ())
-    assert results[1] == 0 and results[3] == (case in native_cases), results
+    native = not raised and case != "events on" and (takes_max or not case.startswith("max "))
+    assert results[1] == 0 and results[3] == native, results
 
 
 # -- through vLLM's Scheduler: kvpool (native allocate_slots) against vLLM itself -------
