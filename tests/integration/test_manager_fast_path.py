@@ -217,17 +217,24 @@ def test_native_allocate_slots_matches_vllm(num_blocks, watermark, events):
 
 
 # -- when the native path runs, and when vLLM's does ------------------------------------
-def test_bound_by_install_and_undone_by_uninstall(monkeypatch):
+def _install_and_check_bound(name: str, native) -> object:
+    """kvpool.install(); ``KVCacheManager.<name>`` is then ``native``, wrapping vLLM's
+    function (returned) with its signature."""
     from kvpool.patches.manager_fast_path import _vanilla
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    vanilla = KVCacheManager.allocate_slots
+    vanilla = getattr(KVCacheManager, name)
     kvpool.install()
-    assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
-    assert _vanilla(KVCacheManager, "allocate_slots") is vanilla
-    import inspect
+    assert getattr(KVCacheManager, name) is native
+    assert _vanilla(KVCacheManager, name) is vanilla
+    assert inspect.signature(getattr(KVCacheManager, name)) == inspect.signature(vanilla)
+    return vanilla
 
-    assert inspect.signature(KVCacheManager.allocate_slots) == inspect.signature(vanilla)
+
+def test_bound_by_install_and_undone_by_uninstall(monkeypatch):
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    vanilla = _install_and_check_bound("allocate_slots", _core.kv_cache_manager_allocate_slots)
     kvpool.uninstall()
     assert KVCacheManager.allocate_slots is vanilla
     kvpool.install(allocation="contiguous")  # the native path does what its hooks do
@@ -582,14 +589,9 @@ def _cached_prefix(manager, prompt_len=70):
 
 
 def test_native_lookup_bound_by_install_and_undone_by_uninstall(monkeypatch):
-    from kvpool.patches.manager_fast_path import _vanilla
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    vanilla = KVCacheManager.get_computed_blocks
-    kvpool.install()
-    assert KVCacheManager.get_computed_blocks is _core.kv_cache_manager_get_computed_blocks
-    assert _vanilla(KVCacheManager, "get_computed_blocks") is vanilla
-    assert inspect.signature(KVCacheManager.get_computed_blocks) == inspect.signature(vanilla)
+    vanilla = _install_and_check_bound("get_computed_blocks", _core.kv_cache_manager_get_computed_blocks)
     assert _core.allocate_slots_fast_path_state()["native_lookup"] is True
     manager = _manager(64)
     req = _cached_prefix(manager)
