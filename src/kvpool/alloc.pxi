@@ -13,12 +13,15 @@ cdef dict _native_evict_cache(object pool):
     return _native_map_cache(_fast_path, pool)
 
 
-cdef bint _evict_natively(dict cache, KVCacheBlock blk) except -1:
+cdef bint _evict_natively(dict cache, KVCacheBlock blk, list removed_log) except -1:
     """vLLM's ``BlockPool._maybe_evict_cached_block`` for a block with one hash and no
     extra ones, events off, no metrics collector: ``_remove_cached_block_hashes``
     (the map's ``pop(hash, block_id)``, kvpool's ``BlockHashToBlockMap.pop``), then
-    ``reset_hash``. False, with nothing changed, when an object involved is not of
-    the types this reads without running Python code."""
+    ``reset_hash``, then ``_emit_block_removed_events(removed)``: nothing with events
+    off, or, where the pool instance's ``_emit_block_removed_events`` is a list's
+    ``extend`` (``removed_log``, see ``_removed_events_list``), the removed hash
+    appended to that list. False, with nothing changed, when an object involved is
+    not of the types this reads without running Python code."""
     key = blk._block_hash
     block_id = _block_id(blk)
     if type(key) is not bytes or type(block_id) is not int:
@@ -27,6 +30,10 @@ cdef bint _evict_natively(dict cache, KVCacheBlock blk) except -1:
     if entry is not None and type(entry) is not dict and (
             type(entry) is not KVCacheBlock or type(_block_id(<KVCacheBlock>entry)) is not int):
         return False
+    if removed_log is not None and entry is not None and (
+            (block_id in <dict>entry) if type(entry) is dict
+            else _block_id(<KVCacheBlock>entry) == block_id):
+        removed_log.append(key)  # first: a MemoryError here leaves the block as it was
     if entry is not None:
         del cache[key]
         if type(entry) is dict:
@@ -94,6 +101,7 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     cdef int32_t nfront = 0
     cdef int evict_state = 0 if pool is not None else 2   # 0 unknown, 1 native, 2 callback
     cdef dict evict_cache = None
+    cdef list evict_log = None
     if n < 0:
         raise ValueError(f"cannot get a negative number of blocks ({n})")
     if n > queue._list.size() + queue._count_offset:
@@ -176,13 +184,17 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
                 if evict_state == 0:
                     evict_cache = _native_evict_cache(pool)
                     evict_state = 1 if evict_cache is not None else 2
+                    if evict_state == 1:
+                        evict_log = _removed_events_list(pool)
                 if not (evict_state == 1 and not (
                         has_extra and _block_id(<KVCacheBlock>o) in cached_block_hashes_by_block)
-                        and _evict_natively(evict_cache, <KVCacheBlock>o)):
+                        and _evict_natively(evict_cache, <KVCacheBlock>o, evict_log)):
                     _fold_0_to_1(&rb, n01)
                     n01 = 0
                     kvpool_refbatch_flush(&rb)
                     evict_cached_block(<object>o)
+                    if pool is not None:
+                        evict_state = 0  # Python code ran: the next eviction checks again
             if (<KVCacheBlock>o)._ref_cnt_o == zero:
                 (<KVCacheBlock>o)._ref_cnt_o = one  # the common case, counted in n01
                 n01 += 1

@@ -259,6 +259,47 @@ cdef inline bint _not_overridden(object obj, tuple names):
     return True
 
 
+cdef object _BUILTIN_METHOD = type([].extend)
+
+
+cdef list _removed_events_list(object pool):
+    """The list whose ``extend`` is set as ``pool._emit_block_removed_events`` on the
+    instance (``pool._emit_block_removed_events = hashes.extend``: record the removed
+    block hashes, in order, as the ``BlockRemoved`` events vLLM would publish), else
+    None. Read without running Python code: the instance dict's entry must be a
+    built-in method bound to an exact ``list`` and equal to that list's ``extend``
+    (a built-in method's comparison compares its C function and its ``__self__``)."""
+    cdef dict d
+    try:
+        d = pool.__dict__
+    except (AttributeError, TypeError):
+        return None
+    if type(d) is not dict:
+        return None
+    attr = d.get("_emit_block_removed_events")
+    if attr is None or type(attr) is not _BUILTIN_METHOD:
+        return None
+    owner = attr.__self__
+    if type(owner) is not list or not (attr == (<list>owner).extend):
+        return None
+    return <list>owner
+
+
+cdef bint _pool_not_overridden(object pool, tuple names):
+    """``_not_overridden(pool, names)``, except that ``_emit_block_removed_events`` may be
+    a list's ``extend`` (``_removed_events_list``), which the native eviction calls as
+    vLLM's would (the native caching never removes a hash: vLLM's code does that)."""
+    if _not_overridden(pool, names):
+        return True
+    if _removed_events_list(pool) is None:
+        return False
+    cdef dict d = pool.__dict__
+    for name in names:
+        if name in d and name != "_emit_block_removed_events":
+            return False
+    return True
+
+
 def kv_cache_manager_allocate_slots(
         self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
         num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False,
@@ -490,7 +531,8 @@ cdef dict _native_map_cache(_AllocateSlotsFastPath fp, pool, tuple pool_names=No
     methods that must not be set on the instance, and the pool's KV events do not
     matter (the caller checks what it needs)."""
     if (not fp.native_cache or type(pool) is not fp.pool_cls or not fp.cache_path_unchanged()
-            or not _not_overridden(pool, fp.pool_names if pool_names is None else pool_names)):
+            or not (_pool_not_overridden(pool, fp.pool_names) if pool_names is None
+                    else _not_overridden(pool, pool_names))):
         return None
     if pool_names is None and pool.enable_kv_cache_events is not False:
         return None

@@ -67,6 +67,9 @@ class _Side:
         self.manager = manager
         self.allocate_slots = allocate_slots
         self.requests: dict[str, object] = {}
+        #: The removed block hashes when the pool's _emit_block_removed_events is this
+        #: list's extend (as the replay's probe sets it), else None.
+        self.removed: list | None = None
 
     def state(self):
         single = self.manager.coordinator.single_type_managers[0]
@@ -77,12 +80,16 @@ class _Side:
         cached = {key: sorted(v) if isinstance(v, dict) else [v.block_id]
                   for key, v in pool.cached_block_hash_to_block._cache.items()}
         events = [repr(e) for e in self.manager.take_events()]
+        removed = None
+        if self.removed is not None:
+            removed = list(self.removed)
+            self.removed.clear()
         return (tables, hashes, cached, dict(single.num_cached_block), pool.get_num_free_blocks(),
-                self.manager.take_new_block_ids(), events)
+                self.manager.take_new_block_ids(), events, removed)
 
 
 def _run_differential(num_ops: int, num_blocks: int, seed: int, watermark: float = 0.0,
-                      events: bool = True, caching: bool = True) -> dict:
+                      events: bool = True, caching: bool = True, removed_log: bool = False) -> dict:
     from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
     from vllm.v1.request import RequestStatus
 
@@ -112,6 +119,10 @@ def _run_differential(num_ops: int, num_blocks: int, seed: int, watermark: float
     takes_max = "max_cache_hit_length" in inspect.signature(vanilla_lookup).parameters
     native = _Side(_manager(num_blocks, **options), KVCacheManager.allocate_slots)
     sides = (vanilla, native)
+    if removed_log:   # the replay probe's recorder of the removed hashes (events off)
+        for side in sides:
+            side.removed = []
+            side.manager.block_pool._emit_block_removed_events = side.removed.extend
     live: list[str] = []
     next_id = 0
     counts = {"add": 0, "step": 0, "none": 0, "free": 0, "reset": 0}
@@ -184,20 +195,26 @@ def _run_differential(num_ops: int, num_blocks: int, seed: int, watermark: float
     return counts
 
 
-@pytest.mark.parametrize("events", [True, False, "no-caching"], ids=["kv-events", "no-events", "no-caching"])
+@pytest.mark.parametrize("events", [True, False, "removed-log", "no-caching"],
+                         ids=["kv-events", "no-events", "removed-log", "no-caching"])
 @pytest.mark.parametrize("num_blocks,watermark", [(64, 0.0), (400, 0.05)])
 def test_native_allocate_slots_matches_vllm(num_blocks, watermark, events):
     """Small pool: constant eviction, many refusals (None); larger pool with a
     watermark: long tables, prefix hits, the waiting/preempted watermark rule. With KV
     events the blocks are cached by vLLM's cache_full_blocks (the events are compared);
     without, natively (every block's hash and the hash map are compared; the vanilla
-    side's pool evicts through vLLM's callback, the native side's in kvpool's loop).
-    With prefix caching off (vLLM's KVCacheCoordinatorNoPrefixCache) nothing is cached
-    or hit and the native path takes every call that has no computed blocks."""
+    side's pool evicts through vLLM's callback, the native side's in kvpool's loop);
+    "removed-log": without events, the pools' _emit_block_removed_events set on the
+    instance to a list's extend, as the replay's probe does (the native caching and
+    eviction stay on, and the lists of removed hashes are compared after every
+    operation). With prefix caching off (vLLM's KVCacheCoordinatorNoPrefixCache)
+    nothing is cached or hit and the native path takes every call that has no
+    computed blocks."""
     caching = events != "no-caching"
+    removed_log = events == "removed-log"
     events = events is True
     counts = _run_differential(NUM_OPS // 4 if caching else NUM_OPS // 8, num_blocks,
-                               SEED + num_blocks, watermark, events, caching)
+                               SEED + num_blocks, watermark, events, caching, removed_log)
     print(f"\nmanager differential: seed {SEED + num_blocks}, {num_blocks} blocks, "
           f"events {events}, caching {caching}: {counts}")
     assert counts["fast_calls"] > counts["vllm_calls"] > 0
@@ -664,10 +681,10 @@ def test_a_patched_lookup_function_is_called(monkeypatch, where):
     assert _lookups() == (native + 2, vllm + 1)
 
 
-def test_the_lookup_stays_native_under_the_replays_probe():
-    """The replay's probe wraps the pool's cache_full_blocks and
-    _emit_block_removed_events on the instance (the caching and eviction then are
-    vLLM's); the lookup, which calls neither, stays native."""
+def test_the_lookup_stays_native_under_wrapped_pool_methods():
+    """A tool that wraps the pool's cache_full_blocks and _emit_block_removed_events on
+    the instance (as the replay's probe once did: the caching and eviction then are
+    vLLM's) leaves the lookup, which calls neither, native."""
     from kvpool.block_pool import VllmBlockPool
 
     kvpool.install()
@@ -679,6 +696,48 @@ def test_the_lookup_stays_native_under_the_replays_probe():
     native, vllm = _lookups()
     assert manager.get_computed_blocks(req)[1] == 64
     assert _lookups() == (native + 1, vllm)
+
+
+class _ListSubclass(list):
+    pass
+
+
+@pytest.mark.parametrize("recorder", ["list extend", "list subclass extend", "deque extend",
+                                      "list append", "function"])
+def test_evictions_recorded_by_a_lists_extend_stay_native(recorder):
+    """The replay's probe records evictions with ``pool._emit_block_removed_events =
+    hashes.extend`` (events off): the native eviction appends to that list what vLLM's
+    would pass to it, and stays native. Any other callable there (a list subclass's or
+    a deque's extend, a list's append, a function) is vLLM's to call: the eviction is
+    vLLM's, and so is what the callable gets."""
+    import collections
+
+    kvpool.install()
+    results = []
+    for side in ("vllm", "native"):
+        manager = _manager(8)
+        pool = manager.block_pool
+        got = {"list extend": [], "list subclass extend": _ListSubclass(),
+               "deque extend": collections.deque(), "list append": [], "function": []}[recorder]
+        if recorder == "function":
+            pool._emit_block_removed_events = lambda hashes: got.append(list(hashes))
+        elif recorder == "list append":
+            pool._emit_block_removed_events = got.append
+        else:
+            pool._emit_block_removed_events = got.extend
+        if side == "vllm":   # vLLM's eviction of every cached block the pool hands out
+            from kvpool.block_pool import VllmBlockPool
+
+            pool._maybe_evict_cached_block = VllmBlockPool._maybe_evict_cached_block.__get__(pool)
+        manager.free(_running(manager, "a", 6 * BLOCK_SIZE))   # 6 cached blocks freed
+        before = _core.allocate_slots_fast_path_state()["native_evictions"]
+        taken = pool.get_new_blocks(pool.get_num_free_blocks())
+        evicted = _core.allocate_slots_fast_path_state()["native_evictions"] - before
+        results.append(([b.block_id for b in taken], list(got)))
+        if side == "native":
+            assert evicted == (6 if recorder == "list extend" else 0)
+    assert results[0] == results[1]
+    assert len(results[0][1]) == 6   # six hashes (list append: six one-hash lists)
 
 
 class _Foreign:

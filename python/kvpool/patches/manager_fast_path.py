@@ -132,7 +132,8 @@ _SINGLE_TYPE_NAMES = ("remove_skipped_blocks", "get_num_skipped_tokens",
 # kvpool's BlockHashToBlockMap methods the native loops replace (class and instance).
 _MAP_NAMES = ("contain", "insert", "pop", "get_one_block")
 # Pool methods the native cache_blocks and eviction skip, which must not be set on the
-# pool instance (the replay's probe, for one, wraps cache_full_blocks there).
+# pool instance (_emit_block_removed_events may be a list's extend: the native eviction
+# appends to that list as vLLM's would; _removed_events_list in src/kvpool/manager.pxi).
 _POOL_NAMES = ("cache_full_blocks", "_insert_block_hash", "_maybe_evict_cached_block",
                "_remove_cached_block_hashes", "_emit_block_removed_events", "get_cached_block",
                "get_num_free_blocks")

@@ -6,7 +6,8 @@ scheduler halves timed by one :class:`Stepper`. With ``EngineSpec.async_scheduli
 :func:`run_round` keeps two batches in flight the way ``EngineCore.step_with_batch_queue``
 does (step N+1 is scheduled before step N's output is processed), so vLLM's deferred
 block frees (``defer_block_free``, ``deferred_frees``, ``_drain_deferred_frees``) run as
-in a deployment. :func:`run_stream` runs a continuous workload (``serving``): requests
+in a deployment. :func:`run_stream` (window by window: :func:`iter_stream`) runs a
+continuous workload (``serving``): requests
 arrive while others run and nothing is reset between windows.
 """
 
@@ -16,7 +17,7 @@ import gc
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 from kvpool.replay import metrics
@@ -79,6 +80,7 @@ class Stepper:
         t0 = _thread_time()
         so = self.scheduler.schedule()
         dt = _thread_time() - t0 - (probe.probe_cpu - probe_before)
+        probe.observe_full_blocks()
         awaiting = self.awaiting_prompt
         if awaiting:
             for rid in so.num_scheduled_tokens:
@@ -100,7 +102,9 @@ class Stepper:
         probe_before = probe.probe_cpu
         t0 = _thread_time()
         self.scheduler.update_from_output(so, mro)
-        return _thread_time() - t0 - (probe.probe_cpu - probe_before)
+        dt = _thread_time() - t0 - (probe.probe_cpu - probe_before)
+        probe.observe_full_blocks()
+        return dt
 
 
 def check_fits(specs: Sequence, pool: PoolSpec, where: str) -> None:
@@ -353,6 +357,50 @@ class _Stream:
                            horizon_steps=horizon)
 
 
+def iter_stream(scheduler, probe: RoundProbe, workload: Workload, seed: int, pool: PoolSpec,
+                save_tables: bool = False) -> Generator[RoundResult, None, DrainResult]:
+    """:func:`run_stream` one window at a time: a generator that yields each window's
+    :class:`RoundResult` as the window closes and returns the :class:`DrainResult`
+    (``StopIteration.value``). Nothing runs between two ``next()`` calls, so a caller
+    may do other work there (the replay benchmark runs the other modes' windows).
+
+    Raises:
+        ValueError: at once: an async workload, or a request that does not fit the pool.
+        RuntimeError: from ``next()``: the scheduler stalled, or a prompt was never fully
+            allocated.
+    """
+    if workload.engine.async_scheduling:
+        raise ValueError("continuous workloads run synchronous scheduling only")
+    check_fits(workload.requests, pool, "serving")
+    return _stream_windows(_Stream(scheduler, probe, workload, seed, pool, save_tables), workload)
+
+
+def _stream_windows(stream: _Stream, workload: Workload) -> Generator[RoundResult, None, DrainResult]:
+    window, scheduler, pool = workload.window_steps, stream.scheduler, stream.pool
+    gc.collect()
+    stream.new_window()
+    while True:
+        if stream.step == (len(stream.rounds) + 1) * window and len(stream.rounds) < workload.num_rounds:
+            stream.close_window()
+            yield stream.rounds[-1]
+        stream.admit()
+        if stream.stalled > MAX_STALLED_STEPS:
+            raise _stalled(f"step {stream.step}", stream.stalled, scheduler, pool,
+                           "workload's requests in flight")
+        if scheduler.has_requests():
+            stream.engine_step()
+        elif stream.next_k < len(stream.factory):
+            stream.idle_step()
+        else:
+            break
+    while len(stream.rounds) < workload.num_rounds:  # a trace that ends before its last window
+        stream.close_window()
+        yield stream.rounds[-1]
+    if stream.stepper.awaiting_prompt:
+        raise RuntimeError(f"prompts never fully allocated: {sorted(stream.stepper.awaiting_prompt)[:5]}")
+    return stream.drain_result(workload.num_rounds * window)
+
+
 def run_stream(scheduler, probe: RoundProbe, workload: Workload, seed: int, pool: PoolSpec,
                on_round: Callable[[int], None] | None = None,
                save_tables: bool = False) -> tuple[list[RoundResult], DrainResult]:
@@ -372,32 +420,12 @@ def run_stream(scheduler, probe: RoundProbe, workload: Workload, seed: int, pool
         ValueError: an async workload, or a request that does not fit the pool.
         RuntimeError: the scheduler stalled, or a prompt was never fully allocated.
     """
-    if workload.engine.async_scheduling:
-        raise ValueError("continuous workloads run synchronous scheduling only")
-    window = workload.window_steps
-    check_fits(workload.requests, pool, "serving")
-    stream = _Stream(scheduler, probe, workload, seed, pool, save_tables)
-    gc.collect()
-    stream.new_window()
+    windows = iter_stream(scheduler, probe, workload, seed, pool, save_tables)
+    rounds: list[RoundResult] = []
     while True:
-        if stream.step == (len(stream.rounds) + 1) * window and len(stream.rounds) < workload.num_rounds:
-            stream.close_window()
-            if on_round is not None:
-                on_round(len(stream.rounds) - 1)
-        stream.admit()
-        if stream.stalled > MAX_STALLED_STEPS:
-            raise _stalled(f"step {stream.step}", stream.stalled, scheduler, pool,
-                           "workload's requests in flight")
-        if scheduler.has_requests():
-            stream.engine_step()
-        elif stream.next_k < len(stream.factory):
-            stream.idle_step()
-        else:
-            break
-    while len(stream.rounds) < workload.num_rounds:  # a trace that ends before its last window
-        stream.close_window()
+        try:
+            rounds.append(next(windows))
+        except StopIteration as stop:
+            return rounds, stop.value
         if on_round is not None:
-            on_round(len(stream.rounds) - 1)
-    if stream.stepper.awaiting_prompt:
-        raise RuntimeError(f"prompts never fully allocated: {sorted(stream.stepper.awaiting_prompt)[:5]}")
-    return stream.rounds, stream.drain_result(workload.num_rounds * window)
+            on_round(len(rounds) - 1)

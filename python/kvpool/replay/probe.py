@@ -8,7 +8,6 @@ class) keep their fast paths, and a vanilla and a kvpool scheduler are probed th
 from __future__ import annotations
 
 import hashlib
-import inspect
 import time
 from typing import Any
 
@@ -36,31 +35,42 @@ class RoundProbe:
       admission, whether or not stats are logged);
     - evictions: ``block_pool._emit_block_removed_events(hashes)``, called by
       ``_maybe_evict_cached_block`` with the hashes it removed (the ``BlockRemoved``
-      events vLLM would publish with KV events on), in order;
+      events vLLM would publish with KV events on), in order. With KV events off (the
+      replay's case) the instance attribute is the list's own ``extend``, which vLLM's
+      code calls and kvpool's native eviction appends to as vLLM's would (so the
+      native eviction stays on); with events on, a wrapper that also calls vLLM's;
     - preemptions: calls to ``scheduler._preempt_request``;
-    - blocks that became full: ``block_pool.cache_full_blocks(request, blocks,
-      num_cached_blocks, num_full_blocks, ...)`` (vLLM 0.33.0) caches
-      ``blocks[num_cached_blocks:num_full_blocks]`` (null and masked blocks skipped);
-      ``step_full_blocks`` counts them and ``step_copies`` their ascending runs, per
-      call (one request, one KV cache group), until :meth:`take_step` reads them.
+    - blocks that became full: each single-type manager's ``num_cached_block[rid]``
+      (the request's blocks vLLM has cached, ``SingleTypeKVCacheManager.cache_blocks``,
+      vLLM 0.33.0) read by :meth:`observe_full_blocks` after each ``schedule()`` and
+      ``update_from_output()`` (outside their timed regions), and before a request's
+      blocks are freed or it is preempted. The blocks between the previous reading
+      (at admission: the prefix-cache hit blocks, ``num_hits // block_size`` from
+      ``record_prefix_cache_stats``) and this one, null blocks skipped, are those
+      vLLM's ``cache_full_blocks`` cached; ``step_full_blocks`` counts them and
+      ``step_copies`` their ascending runs, per request and KV cache group, until
+      :meth:`take_step` reads them. (The pool's ``cache_full_blocks`` is not wrapped:
+      that would send kvpool's native caching back to vLLM's Python.)
     """
 
     def __init__(self, scheduler) -> None:
         self.scheduler = scheduler
         self.reset()
         kv = scheduler.kv_cache_manager
+        self._probe_full_blocks(kv)
         self._probe_frees(scheduler, kv)
         self._probe_cache(scheduler, kv)
-        self._probe_full_blocks(kv.block_pool)
 
     def _probe_frees(self, scheduler, kv) -> None:
         # Finished tables, deferred frees and the drains' cost.
         orig_free = scheduler._free_request_blocks
         orig_drain = scheduler._drain_deferred_frees
+        observe = self._observe_request
 
         def _free_request_blocks(request):
             t0 = _thread_time()
             rid = request.request_id
+            observe(rid, True)
             table = list(kv.get_block_ids(rid)[0])
             self.finished_tables[rid] = table
             deferred = scheduler.defer_block_free and not scheduler._request_blocks_can_be_freed(request)
@@ -96,53 +106,93 @@ class RoundProbe:
         lookup_enabled = kv.prefix_cache_lookup_enabled
 
         def record_prefix_cache_stats(request, num_hits):
+            t0 = _thread_time()
             if lookup_enabled(request):
                 self.hit_tokens += num_hits
                 self.query_tokens += request.num_tokens
+            # Admission: the hit blocks were cached before; later ones become full.
+            self._seen[request.request_id] = [num_hits // bs for bs in self._block_sizes]
+            self.probe_cpu += _thread_time() - t0
             orig_record(request, num_hits)
 
         pool = kv.block_pool
-        orig_emit = pool._emit_block_removed_events
         evicted = self.evicted_hashes
+        if getattr(pool, "enable_kv_cache_events", True) is False:
+            # vLLM's method does nothing then; the list's extend records what it gets.
+            pool._emit_block_removed_events = evicted.extend
+        else:
+            orig_emit = pool._emit_block_removed_events
 
-        def _emit_block_removed_events(block_hashes):
-            evicted.extend(block_hashes)
-            orig_emit(block_hashes)
+            def _emit_block_removed_events(block_hashes):
+                evicted.extend(block_hashes)
+                orig_emit(block_hashes)
+
+            pool._emit_block_removed_events = _emit_block_removed_events
 
         orig_preempt = scheduler._preempt_request
+        observe = self._observe_request
 
-        def _preempt_request(*args, **kwargs):
+        def _preempt_request(request, *args, **kwargs):
             self.preemptions += 1
-            return orig_preempt(*args, **kwargs)
+            rid = request.request_id
+            t0 = _thread_time()
+            observe(rid)  # its blocks are freed (vLLM 0.33.0: through _free_request_blocks)
+            self.probe_cpu += _thread_time() - t0
+            try:
+                return orig_preempt(request, *args, **kwargs)
+            finally:
+                self._seen.pop(rid, None)  # resumed, it is admitted anew
 
         kv.record_prefix_cache_stats = record_prefix_cache_stats
-        pool._emit_block_removed_events = _emit_block_removed_events
         scheduler._preempt_request = _preempt_request
 
-    def _probe_full_blocks(self, pool) -> None:
+    def _probe_full_blocks(self, kv) -> None:
         # Offloading copies: the blocks vLLM caches (their hash set) are those that
         # became full; an offloading connector stores exactly those, one job per
         # request, and one copy per ascending run of their ids (vLLM PR #35990).
+        pool = kv.block_pool
         #: Whether vLLM caches blocks at all (prefix caching on); else no offload figures.
         self.caches_blocks = bool(getattr(pool, "enable_caching", False))
-        orig_cache = pool.cache_full_blocks
-        bind = inspect.signature(orig_cache).bind
-        null_id = getattr(getattr(pool, "null_block", None), "block_id", metrics.NULL_BLOCK_ID)
+        self._null_id = getattr(getattr(pool, "null_block", None), "block_id", metrics.NULL_BLOCK_ID)
+        coordinator = getattr(kv, "coordinator", None)
+        self._managers = list(getattr(coordinator, "single_type_managers", ()) or ())
+        self._block_sizes = [m.block_size for m in self._managers]
+        #: request id -> blocks of each KV cache group counted as cached so far.
+        self._seen: dict[str, list[int]] = {}
 
-        def cache_full_blocks(*args, **kwargs):
-            t0 = _thread_time()
-            a = bind(*args, **kwargs).arguments
-            lo, hi, mask = a["num_cached_blocks"], a["num_full_blocks"], a.get("block_mask")
-            if hi > lo:
-                new = a["blocks"][lo:hi]
-                ids = [b.block_id for i, b in enumerate(new)
-                       if not b.is_null and (mask is None or mask[i])]
+    def _observe_request(self, rid: str, forget: bool = False) -> None:
+        # The blocks of ``rid`` cached since its previous reading (see the class doc).
+        seen = self._seen.get(rid)
+        null_id = self._null_id
+        for g, mgr in enumerate(self._managers):
+            n = mgr.num_cached_block.get(rid)
+            if n is None:
+                continue
+            if seen is None:
+                seen = self._seen[rid] = [0] * len(self._managers)
+            prev = seen[g]
+            if n > prev:
+                ids = []
+                for b in mgr.req_to_blocks[rid][prev:n]:
+                    if not b.is_null:
+                        ids.append(b.block_id)
                 self.step_full_blocks += len(ids)
                 self.step_copies += metrics.transfer_descriptors(ids, null_id)
-            self.probe_cpu += _thread_time() - t0
-            return orig_cache(*args, **kwargs)
+            seen[g] = n
+        if forget:
+            self._seen.pop(rid, None)
 
-        pool.cache_full_blocks = cache_full_blocks
+    def observe_full_blocks(self) -> None:
+        """Count the blocks that became full since the previous call, for every request
+        the single-type managers hold (see the class doc). Called by the replay after
+        ``schedule()`` and ``update_from_output()``, outside their timed regions."""
+        if not self.caches_blocks:
+            return
+        live = set()
+        for mgr in self._managers:
+            live.update(mgr.num_cached_block)
+        for rid in live:
+            self._observe_request(rid)
 
     def eviction_digest(self) -> str:
         """Hash of the evicted block hashes, in eviction order."""

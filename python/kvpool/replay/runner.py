@@ -1,4 +1,5 @@
-"""A workload through each mode: a fresh scheduler per mode, the calls between rounds.
+"""A workload through each mode: a fresh scheduler per mode, the modes' rounds interleaved,
+the calls between rounds.
 
 Every mode calls ``scheduler.reset_prefix_cache()`` between the rounds of a round-based
 workload (what the RFC's driver does after a weight update), ``kvpool+reorder`` then
@@ -8,14 +9,15 @@ its rounds are windows of engine steps, with no reset.
 
 from __future__ import annotations
 
+import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from kvpool.replay import metrics
 from kvpool.replay import modes as _modes
 from kvpool.replay.engine import PoolSpec, build_scheduler
-from kvpool.replay.loop import run_round, run_stream
+from kvpool.replay.loop import iter_stream, run_round
 from kvpool.replay.modes import Mode, ModeUnavailable
 from kvpool.replay.probe import RoundProbe
 from kvpool.replay.results import ModeInfo, ModeResult, RoundResult
@@ -29,7 +31,7 @@ def _qualname(obj) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def _warmup(workload: Workload, pool: PoolSpec, seed: int) -> None:
+def warm_up(workload: Workload, pool: PoolSpec, seed: int) -> None:
     """Run a throwaway scheduler through a few short requests of the same engine shape,
     so that one-time costs (lazy imports, first-call paths, allocator growth) do not land
     in the first measured round of whichever mode runs first."""
@@ -85,55 +87,98 @@ def _between_rounds(scheduler, reorder: Callable[[], bool] | None) -> dict:
     return between
 
 
+class ModeRun:
+    """One mode's scheduler (and P/D prefill-side scheduler), advanced one round at a
+    time, so that :func:`run_replay` can interleave the modes (round 0 of every mode,
+    then round 1, ...): a change of the machine's speed during a run then reaches every
+    mode alike, as in ``benchmarks/test_replay_bench.py``.
+
+    Built under its mode (:func:`~.modes.set_mode`, the warm-up, the schedulers); the
+    caller sets the mode again before each :meth:`next_round` (kvpool's class patches
+    are process-wide).
+
+    Raises:
+        ModeUnavailable: kvpool is needed but not importable, or has no reorder API.
+    """
+
+    def __init__(self, mode: str | Mode, workload: Workload, pool: PoolSpec, seed: int,
+                 save_tables: bool = False) -> None:
+        self.mode = mode = _modes.get(mode)
+        self.rounds: list[RoundResult] = []
+        _modes.set_mode(mode)
+        wall0 = time.perf_counter()
+        warm_up(workload, pool, seed)
+        self._side = self._side_reorder = None
+        if workload.prefill is not None:  # P/D: the prefill side, on its own pool
+            self._side = _modes.build_for_mode(mode, lambda: build_scheduler(workload.prefill, pool))
+            self._side_reorder = _modes.reorder_api(self._side)[0] if mode.reorder else None
+        scheduler = _modes.build_for_mode(mode, lambda: build_scheduler(workload, pool))
+        reorder, reorder_name = _modes.reorder_api(scheduler) if mode.reorder else (None, None)
+        self.info = _mode_info(mode, scheduler, pool, reorder_name)
+        self._steps = self._run(workload, pool, seed, scheduler, reorder, save_tables)
+        self.info.wall_s = time.perf_counter() - wall0
+
+    def _run(self, workload: Workload, pool: PoolSpec, seed: int, scheduler,
+             reorder: Callable[[], bool] | None, save_tables: bool) -> Iterator[RoundResult]:
+        probe = RoundProbe(scheduler)
+        if workload.continuous:
+            self.info.drain = yield from iter_stream(scheduler, probe, workload, seed, pool,
+                                                     save_tables=save_tables)
+            return
+        side_probe = RoundProbe(self._side) if self._side is not None else None
+        for rnd in range(workload.num_rounds):
+            prefill = None
+            if self._side is not None:
+                if rnd > 0:
+                    _between_rounds(self._side, self._side_reorder)
+                prefill = run_round(self._side, side_probe, workload.prefill, rnd, seed, pool, save_tables=True)
+            between = _between_rounds(scheduler, reorder) if rnd > 0 else {}
+            result = run_round(scheduler, probe, workload, rnd, seed, pool,
+                               save_tables=save_tables or prefill is not None)
+            result = replace(result, **between)
+            if prefill is not None:
+                result = _with_prefill_side(result, prefill, save_tables)
+            yield result
+
+    def next_round(self) -> bool:
+        """Run the next round (window; after the last window, a stream's drain) and
+        append it to :attr:`rounds`; False, running nothing more, once all have run.
+
+        As vLLM's engine core does once it has started (``freeze_gc_heap``), the objects
+        alive before the round (every mode's schedulers and pools among them) are frozen
+        out of the garbage collector while it runs, so that a collection's cost does not
+        depend on how many modes the run holds."""
+        wall0 = time.perf_counter()
+        gc.collect()
+        gc.freeze()
+        try:
+            self.rounds.append(next(self._steps))
+            return True
+        except StopIteration:
+            return False
+        finally:
+            gc.unfreeze()
+            self.info.wall_s += time.perf_counter() - wall0
+
+    def result(self) -> ModeResult:
+        return ModeResult(info=self.info, rounds=self.rounds)
+
+
 def run_mode(mode: str | Mode, workload: Workload, pool: PoolSpec, seed: int,
              on_round: Callable[[str, int], None] | None = None, save_tables: bool = False) -> ModeResult:
-    """Run every round of ``workload`` in ``mode`` on a fresh scheduler.
+    """Run every round of ``workload`` in ``mode`` on a fresh scheduler (one
+    :class:`ModeRun` to its end).
 
     ``save_tables``: keep each round's per-request block tables (see :func:`~.loop.run_round`).
 
     Raises:
         ModeUnavailable: kvpool is needed but not importable, or has no reorder API.
     """
-    mode = _modes.get(mode)
-    _modes.set_mode(mode)
-    wall0 = time.perf_counter()
-    _warmup(workload, pool, seed)
-    prefill_rounds = None
-    if workload.prefill is not None:  # P/D: the prefill side first, on its own pool
-        side = _modes.build_for_mode(mode, lambda: build_scheduler(workload.prefill, pool))
-        side_reorder = _modes.reorder_api(side)[0] if mode.reorder else None
-        prefill_rounds = _run_rounds(mode, workload.prefill, pool, seed, side, side_reorder, None, True)
-    scheduler = _modes.build_for_mode(mode, lambda: build_scheduler(workload, pool))
-    reorder, reorder_name = _modes.reorder_api(scheduler) if mode.reorder else (None, None)
-    info = _mode_info(mode, scheduler, pool, reorder_name)
-    if workload.continuous:
-        rounds, info.drain = run_stream(
-            scheduler, RoundProbe(scheduler), workload, seed, pool,
-            on_round=None if on_round is None else (lambda rnd: on_round(mode.name, rnd)),
-            save_tables=save_tables,
-        )
-    else:
-        rounds = _run_rounds(mode, workload, pool, seed, scheduler, reorder, on_round,
-                             save_tables or prefill_rounds is not None)
-    if prefill_rounds is not None:
-        rounds = [_with_prefill_side(d, p, save_tables) for d, p in zip(rounds, prefill_rounds)]
-    info.wall_s = time.perf_counter() - wall0
-    return ModeResult(info=info, rounds=rounds)
-
-
-def _run_rounds(mode: Mode, workload: Workload, pool: PoolSpec, seed: int, scheduler,
-                reorder: Callable[[], bool] | None, on_round: Callable[[str, int], None] | None,
-                save_tables: bool) -> list[RoundResult]:
-    """Every round of a (not continuous) workload on ``scheduler``."""
-    probe = RoundProbe(scheduler)
-    rounds: list[RoundResult] = []
-    for rnd in range(workload.num_rounds):
-        between = _between_rounds(scheduler, reorder) if rnd > 0 else {}
-        result = run_round(scheduler, probe, workload, rnd, seed, pool, save_tables=save_tables)
-        rounds.append(replace(result, **between))
+    run = ModeRun(mode, workload, pool, seed, save_tables)
+    while run.next_round():
         if on_round is not None:
-            on_round(mode.name, rnd)
-    return rounds
+            on_round(run.mode.name, len(run.rounds) - 1)
+    return run.result()
 
 
 def _with_prefill_side(decode: RoundResult, prefill: RoundResult, save_tables: bool) -> RoundResult:
@@ -159,23 +204,36 @@ def run_replay(workload: Workload, pool: PoolSpec, modes: tuple[str, ...] = _mod
                on_round: Callable[[str, int], None] | None = None,
                on_skip: Callable[[str, str], None] | None = None,
                save_tables: bool = False) -> dict[str, ModeResult]:
-    """Run ``workload`` in each of ``modes``; kvpool is uninstalled afterwards.
+    """Run ``workload`` in each of ``modes``, the modes' rounds interleaved (round 0 of
+    every mode, then round 1, ...: :class:`ModeRun`); kvpool is uninstalled afterwards.
 
     ``save_tables``: keep each round's per-request block tables (see :func:`~.loop.run_round`).
 
     Returns:
-        mode name -> :class:`ModeResult`; a mode that cannot run
-        (:class:`ModeUnavailable`) is reported as skipped, not raised.
+        mode name -> :class:`ModeResult`, in the order of ``modes``; a mode that cannot
+        run (:class:`ModeUnavailable`) is reported as skipped, not raised.
     """
     results: dict[str, ModeResult] = {}
+    runs: dict[str, ModeRun] = {}
     try:
         for mode in modes:
             try:
-                results[str(mode)] = run_mode(mode, workload, pool, seed, on_round, save_tables=save_tables)
+                runs[str(mode)] = ModeRun(mode, workload, pool, seed, save_tables)
+                results[str(mode)] = None  # (its place in the order of modes)
             except ModeUnavailable as e:
                 results[str(mode)] = ModeResult(skipped=str(e))
                 if on_skip is not None:
                     on_skip(str(mode), str(e))
+        active = list(runs.items())
+        while active:
+            for name, run in list(active):
+                _modes.set_mode(run.mode)
+                if not run.next_round():
+                    active.remove((name, run))
+                elif on_round is not None:
+                    on_round(name, len(run.rounds) - 1)
     finally:
         _modes.restore_vanilla()
+    for name, run in runs.items():
+        results[name] = run.result()
     return results

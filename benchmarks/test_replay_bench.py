@@ -1,0 +1,150 @@
+"""Every built-in replay workload through vLLM 0.33.0's real ``Scheduler``: vanilla vs
+kvpool (default policy) vs kvpool with the contiguous policy, in the same run (issue
+17: "no built-in replay workload slower than vanilla").
+
+Each workload is what ``python -m kvpool replay --workload W --scale SCALE --num-blocks
+NUM_BLOCKS`` runs (fewer rounds), on a pool small enough that it wraps and evicts:
+``grpo``, ``long_sequential`` (prefix caching off), ``pd_async`` (async scheduling with
+a KV consumer; the same requests are the decode side of ``pd``), ``pd_prefill`` (the
+prefill side of ``pd``: a KV producer on its own pool) and ``serving`` (never idle, the
+rounds are windows of engine steps). One pytest-benchmark round is one replay round of
+one mode: its scheduler CPU (``schedule()`` + ``update_from_output()``, the replay's
+own ``RoundResult.sched_cpu_s``: thread CPU, the probe's reads subtracted) is what the
+benchmark's timer measures, so the figures are the replay's, and the ratio is the
+median of the rounds' ratios (``benchmarks/ratios.py``).
+
+The modes' rounds alternate (round 0 of every mode, then round 1, ...; one scheduler
+per mode, built once under its mode, kvpool installed for that mode's rounds only), so
+a change of the machine's speed reaches every mode alike. Round r of every mode is the
+same requests; each mode must leave vLLM's prefix-cache hits, evicted hashes (in order)
+and preemptions exactly as vanilla's (checked per round).
+
+Run: ``.venv/bin/python -m pytest benchmarks/test_replay_bench.py --benchmark-only``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from kvpool.replay import modes as replay_modes
+from kvpool.replay import workloads
+from kvpool.replay.engine import PoolSpec, build_scheduler
+from kvpool.replay.loop import iter_stream, run_round
+from kvpool.replay.probe import RoundProbe
+from kvpool.replay.results import RoundResult
+from kvpool.replay.runner import warm_up
+
+#: Rounds (windows) per mode; the ratio is the median of the rounds' ratios.
+ROUNDS = int(os.environ.get("KVPOOL_REPLAY_BENCH_ROUNDS", "5"))
+SCALE = 0.05
+POOL = PoolSpec(num_blocks=12_000, block_size=32)
+SEED = 0
+
+#: name -> (rounds, the workload): the replay's built-in ones at SCALE. long_sequential
+#: (one request a round, ~80 us steps whose CPU moves by up to a third between rounds
+#: on a shared machine, and kvpool's lead there the thinnest) runs three times as many
+#: rounds of half the length, so the modes interleave more finely and the median has
+#: more rounds.
+WORKLOADS = {
+    "grpo": (ROUNDS, lambda: workloads.grpo(rounds=ROUNDS, scale=SCALE)),
+    "long_sequential": (3 * ROUNDS, lambda: workloads.long_sequential(rounds=3 * ROUNDS, scale=SCALE / 2)),
+    "pd_async": (ROUNDS, lambda: workloads.pd_async(rounds=ROUNDS, scale=SCALE)),
+    "pd_prefill": (ROUNDS, lambda: workloads.pd(rounds=ROUNDS, scale=SCALE).prefill),
+    "serving": (ROUNDS, lambda: workloads.serving(rounds=ROUNDS, window_steps=400, scale=SCALE)),
+}
+#: benchmark impl -> the replay's mode.
+MODES = {"vllm": "vanilla", "kvpool": "kvpool", "kvpool_contiguous": "kvpool+contiguous"}
+
+
+class _Run:
+    """One workload in one mode: its scheduler (built under the mode) and its rounds."""
+
+    def __init__(self, workload, mode: str) -> None:
+        self.mode = replay_modes.get(mode)
+        replay_modes.set_mode(self.mode)
+        warm_up(workload, POOL, SEED)
+        self.scheduler = replay_modes.build_for_mode(self.mode, lambda: build_scheduler(workload, POOL))
+        pool = self.scheduler.kv_cache_manager.block_pool
+        assert type(pool).__module__.startswith("kvpool" if self.mode.uses_kvpool else "vllm")
+        self.rounds = self._rounds(workload)
+
+    def _rounds(self, workload) -> Iterator[RoundResult]:
+        probe = RoundProbe(self.scheduler)
+        if workload.continuous:
+            yield from iter_stream(self.scheduler, probe, workload, SEED, POOL)
+            return
+        for rnd in range(workload.num_rounds):
+            if rnd > 0:   # as the replay does between rounds (a weight update)
+                assert self.scheduler.reset_prefix_cache()
+            yield run_round(self.scheduler, probe, workload, rnd, SEED, POOL)
+
+
+_RUNS: dict[tuple[str, str], _Run] = {}
+#: (workload, round) -> impl -> what must equal vanilla's.
+_CACHE: dict[tuple[str, int], dict[str, tuple]] = {}
+#: The benchmarks' timer: the scheduler CPU seconds of the replay rounds run so far.
+_SCHED_CPU = [0.0]
+
+
+def _replay_clock() -> float:
+    return _SCHED_CPU[0]
+
+
+def _run(name: str, impl: str) -> _Run:
+    key = (name, impl)
+    if key not in _RUNS:
+        try:
+            _RUNS[key] = _Run(WORKLOADS[name][1](), MODES[impl])
+        finally:
+            replay_modes.restore_vanilla()
+    return _RUNS[key]
+
+
+def _bench_round(benchmark, name: str, round_: int, impl: str) -> None:
+    """Round ``round_`` of workload ``name`` in ``impl``: one pytest-benchmark round
+    whose time is the round's scheduler CPU. As vLLM's engine core does
+    (``freeze_gc_heap``), the objects built before the round are frozen out of the
+    garbage collector."""
+    run = _run(name, impl)
+    out: list[RoundResult] = []
+
+    def setup():
+        replay_modes.set_mode(run.mode)  # the class patches of this mode only
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
+        return (), {}
+
+    def one_round():
+        result = next(run.rounds)
+        _SCHED_CPU[0] += result.sched_cpu_s
+        out.append(result)
+
+    benchmark.group = f"replay_{name}"
+    try:
+        benchmark.pedantic(one_round, setup=setup, rounds=1, iterations=1, warmup_rounds=0)
+    finally:
+        gc.unfreeze()
+        replay_modes.restore_vanilla()
+    (result,) = out
+    benchmark.extra_info.update(impl=impl, blocks=result.num_steps, per="step", round=round_,
+                                evictions=result.evictions, hit_tokens=result.prefix_cache_hit_tokens)
+    seen = _CACHE.setdefault((name, round_), {})
+    seen[impl] = (result.num_steps, result.prefix_cache_hit_tokens, result.evictions,
+                  result.eviction_digest, result.preemptions)
+    if impl != "vllm" and "vllm" in seen:
+        assert seen[impl] == seen["vllm"], f"{impl}: not vanilla's steps/hits/evictions/preemptions in round {round_}"
+
+
+#: (workload, round, mode) in the order the benchmarks run: the modes alternate.
+INTERLEAVED = [(name, r, impl) for name, (rounds, _) in WORKLOADS.items() for r in range(rounds) for impl in MODES]
+
+
+@pytest.mark.benchmark(timer=_replay_clock)  # the replay's scheduler CPU per round
+@pytest.mark.parametrize("name,round_,impl", INTERLEAVED)
+def test_replay_round(benchmark, name, round_, impl):
+    _bench_round(benchmark, name, round_, impl)
