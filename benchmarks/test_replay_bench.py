@@ -24,19 +24,14 @@ Run: ``.venv/bin/python -m pytest benchmarks/test_replay_bench.py --benchmark-on
 
 from __future__ import annotations
 
-import gc
 import os
-from collections.abc import Iterator
 
 import pytest
 
 from kvpool.replay import modes as replay_modes
 from kvpool.replay import workloads
-from kvpool.replay.engine import PoolSpec, build_scheduler
-from kvpool.replay.loop import iter_stream, run_round
-from kvpool.replay.probe import RoundProbe
-from kvpool.replay.results import RoundResult
-from kvpool.replay.runner import warm_up
+from kvpool.replay.engine import PoolSpec
+from kvpool.replay.runner import ModeRun
 
 #: Rounds (windows) per mode; the ratio is the median of the rounds' ratios.
 ROUNDS = int(os.environ.get("KVPOOL_REPLAY_BENCH_ROUNDS", "5"))
@@ -60,30 +55,7 @@ WORKLOADS = {
 MODES = {"vllm": "vanilla", "kvpool": "kvpool", "kvpool_contiguous": "kvpool+contiguous"}
 
 
-class _Run:
-    """One workload in one mode: its scheduler (built under the mode) and its rounds."""
-
-    def __init__(self, workload, mode: str) -> None:
-        self.mode = replay_modes.get(mode)
-        replay_modes.set_mode(self.mode)
-        warm_up(workload, POOL, SEED)
-        self.scheduler = replay_modes.build_for_mode(self.mode, lambda: build_scheduler(workload, POOL))
-        pool = self.scheduler.kv_cache_manager.block_pool
-        assert type(pool).__module__.startswith("kvpool" if self.mode.uses_kvpool else "vllm")
-        self.rounds = self._rounds(workload)
-
-    def _rounds(self, workload) -> Iterator[RoundResult]:
-        probe = RoundProbe(self.scheduler)
-        if workload.continuous:
-            yield from iter_stream(self.scheduler, probe, workload, SEED, POOL)
-            return
-        for rnd in range(workload.num_rounds):
-            if rnd > 0:   # as the replay does between rounds (a weight update)
-                assert self.scheduler.reset_prefix_cache()
-            yield run_round(self.scheduler, probe, workload, rnd, SEED, POOL)
-
-
-_RUNS: dict[tuple[str, str], _Run] = {}
+_RUNS: dict[tuple[str, str], ModeRun] = {}
 #: (workload, round) -> impl -> what must equal vanilla's.
 _CACHE: dict[tuple[str, int], dict[str, tuple]] = {}
 #: The benchmarks' timer: the scheduler CPU seconds of the replay rounds run so far.
@@ -94,11 +66,16 @@ def _replay_clock() -> float:
     return _SCHED_CPU[0]
 
 
-def _run(name: str, impl: str) -> _Run:
+def _run(name: str, impl: str) -> ModeRun:
+    """The replay's own run of workload ``name`` in ``impl`` (built once, under its mode:
+    the warm-up, the schedulers; the reset between rounds, as the replay does)."""
     key = (name, impl)
     if key not in _RUNS:
         try:
-            _RUNS[key] = _Run(WORKLOADS[name][1](), MODES[impl])
+            run = ModeRun(MODES[impl], WORKLOADS[name][1](), POOL, SEED)
+            pool = run.scheduler.kv_cache_manager.block_pool
+            assert type(pool).__module__.startswith("kvpool" if run.mode.uses_kvpool else "vllm")
+            _RUNS[key] = run
         finally:
             replay_modes.restore_vanilla()
     return _RUNS[key]
@@ -106,31 +83,26 @@ def _run(name: str, impl: str) -> _Run:
 
 def _bench_round(benchmark, name: str, round_: int, impl: str) -> None:
     """Round ``round_`` of workload ``name`` in ``impl``: one pytest-benchmark round
-    whose time is the round's scheduler CPU. As vLLM's engine core does
-    (``freeze_gc_heap``), the objects built before the round are frozen out of the
-    garbage collector."""
+    whose time is the round's scheduler CPU (``ModeRun.next_round``, which freezes the
+    objects built before the round out of the garbage collector, as vLLM's engine core
+    does)."""
     run = _run(name, impl)
-    out: list[RoundResult] = []
 
     def setup():
         replay_modes.set_mode(run.mode)  # the class patches of this mode only
-        gc.unfreeze()
-        gc.collect()
-        gc.freeze()
         return (), {}
 
     def one_round():
-        result = next(run.rounds)
-        _SCHED_CPU[0] += result.sched_cpu_s
-        out.append(result)
+        assert run.next_round()
+        _SCHED_CPU[0] += run.rounds[-1].sched_cpu_s
 
     benchmark.group = f"replay_{name}"
     try:
         benchmark.pedantic(one_round, setup=setup, rounds=1, iterations=1, warmup_rounds=0)
     finally:
-        gc.unfreeze()
         replay_modes.restore_vanilla()
-    (result,) = out
+    result = run.rounds[-1]
+    assert result.round == round_ and getattr(result, "reset_ok", None) is not False
     benchmark.extra_info.update(impl=impl, blocks=result.num_steps, per="step", round=round_,
                                 evictions=result.evictions, hit_tokens=result.prefix_cache_hit_tokens)
     seen = _CACHE.setdefault((name, round_), {})

@@ -10,7 +10,6 @@ cache is entered by tests/conftest.py; kvpool is uninstalled after each test.
 from __future__ import annotations
 
 import inspect
-import itertools
 
 import pytest
 
@@ -22,10 +21,9 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: F401
 
 from kvpool.replay import metrics, workloads
 from kvpool.replay import modes as replay_modes
-from kvpool.replay.engine import PoolSpec, build_scheduler
-from kvpool.replay.loop import iter_stream, run_round
+from kvpool.replay.engine import PoolSpec
 from kvpool.replay.modes import kvpool_unavailable_reason
-from kvpool.replay.probe import RoundProbe
+from kvpool.replay.runner import ModeRun
 
 
 @pytest.fixture(autouse=True)
@@ -61,15 +59,14 @@ def _serving_small():
     return workloads.serving(rounds=3, window_steps=150, prompt_len=(256, 2048), output_len=(16, 128))
 
 
-def _rounds(workload, pool: PoolSpec, scheduler, probe):
-    """The rounds (windows) of ``workload``; a stream's drain is not run."""
-    if workload.continuous:
-        yield from itertools.islice(iter_stream(scheduler, probe, workload, 0, pool), workload.num_rounds)
-        return
+def _rounds(run: ModeRun, workload):
+    """The rounds (windows) of ``run``, as the replay runs them (its probe, the reset
+    between rounds); a stream's drain is not run."""
     for rnd in range(workload.num_rounds):
-        if rnd:
-            assert scheduler.reset_prefix_cache()
-        yield run_round(scheduler, probe, workload, rnd, 0, pool)
+        assert run.next_round()
+        result = run.rounds[-1]
+        assert result.round == rnd and getattr(result, "reset_ok", None) is not False
+        yield result
 
 
 @pytest.mark.parametrize("name", ["serving-preempting", "pd-async", "grpo"])
@@ -83,12 +80,10 @@ def test_blocks_that_became_full_are_those_vllm_caches(name):
         "pd-async": (workloads.pd_async(rounds=2, scale=0.05), PoolSpec(num_blocks=12_000, block_size=32)),
         "grpo": (workloads.grpo(rounds=2, scale=0.05), PoolSpec(num_blocks=12_000, block_size=32)),
     }[name]
-    replay_modes.set_mode("vanilla")
-    scheduler = replay_modes.build_for_mode(replay_modes.get("vanilla"), lambda: build_scheduler(workload, pool))
-    probe = RoundProbe(scheduler)
-    ref = _counting_cache_full_blocks(scheduler.kv_cache_manager.block_pool)
+    run = ModeRun("vanilla", workload, pool, 0)
+    ref = _counting_cache_full_blocks(run.scheduler.kv_cache_manager.block_pool)
     preemptions = 0
-    for result in _rounds(workload, pool, scheduler, probe):
+    for result in _rounds(run, workload):
         assert (result.offload_blocks, result.offload_copies_total) == (ref["blocks"], ref["copies"])
         assert ref["blocks"] > 0
         preemptions += result.preemptions
@@ -112,12 +107,11 @@ def test_under_the_probe_kvpools_caching_and_eviction_stay_native(mode):
     workload, pool = _serving_small(), PoolSpec(num_blocks=2000, block_size=16)
     figures = {}
     for m in ("vanilla", mode):
-        replay_modes.set_mode(m)
-        scheduler = replay_modes.build_for_mode(replay_modes.get(m), lambda: build_scheduler(workload, pool))
+        run = ModeRun(m, workload, pool, 0)
         before = _core.allocate_slots_fast_path_state()
         figures[m] = [(r.offload_blocks, r.offload_copies_total, r.evictions, r.eviction_digest,
                        r.prefix_cache_hit_tokens, r.preemptions)
-                      for r in _rounds(workload, pool, scheduler, RoundProbe(scheduler))]
+                      for r in _rounds(run, workload)]
         after = _core.allocate_slots_fast_path_state()
         replay_modes.restore_vanilla()
     if mode == "kvpool":

@@ -112,7 +112,8 @@ class ModeRun:
         if workload.prefill is not None:  # P/D: the prefill side, on its own pool
             self._side = _modes.build_for_mode(mode, lambda: build_scheduler(workload.prefill, pool))
             self._side_reorder = _modes.reorder_api(self._side)[0] if mode.reorder else None
-        scheduler = _modes.build_for_mode(mode, lambda: build_scheduler(workload, pool))
+        #: The (decode-side) scheduler the rounds run on.
+        self.scheduler = scheduler = _modes.build_for_mode(mode, lambda: build_scheduler(workload, pool))
         reorder, reorder_name = _modes.reorder_api(scheduler) if mode.reorder else (None, None)
         self.info = _mode_info(mode, scheduler, pool, reorder_name)
         self._steps = self._run(workload, pool, seed, scheduler, reorder, save_tables)
