@@ -101,11 +101,18 @@ step "wheel: $wheel"
 
 # 3. The arm64 chroot.
 root="${KVPOOL_CHROOT_DIR:-/var/tmp/kvpool-chroots}/arm64-$suite"
-if [ ! -x "$root/usr/bin/$py" ]; then
+# debootstrap does not resolve virtual packages: bookworm's python3.11-venv depends on
+# python3.11-distutils, which only python3-distutils provides, so it is named (without
+# it the venv package stays unconfigured and the chroot cannot make a venv).
+declare -A EXTRA=([bookworm]=,python3-distutils)
+if [ ! -e "$root/.kvpool-debootstrap-done" ]; then
   step "debootstrap --arch=arm64 $suite into $root"
+  # Never delete through a bind mount (a killed run can leave the checkout mounted there).
+  if grep -q " $root/" /proc/mounts; then echo "test-arch: $root still has mounts; umount them first" >&2; exit 1; fi
   rm -rf "$root"
-  debootstrap --arch=arm64 --variant=minbase --include="$py,$py-venv,ca-certificates" \
+  debootstrap --arch=arm64 --variant=minbase --include="$py,$py-venv,ca-certificates${EXTRA[$suite]:-}" \
     "$suite" "$root" http://deb.debian.org/debian
+  touch "$root/.kvpool-debootstrap-done"
 fi
 chroot_mount "$root"
 
