@@ -223,8 +223,18 @@ def test_transfer_extract_keeps_the_post_wrap_prompt_tables(tmp_path):
 # --- kernels ----------------------------------------------------------------------------
 
 
+def _skip_without_cpu_flex():
+    pytest.importorskip("torch")
+    from kvpool.locality import kernels
+
+    reason = kernels.flex_unsupported_reason("cpu")
+    if reason:
+        pytest.skip(reason)
+
+
 def test_flex_kernel_matches_the_reference_and_reads_the_block_table():
     torch = pytest.importorskip("torch")
+    _skip_without_cpu_flex()
     from kvpool.locality import kernels
 
     torch.manual_seed(0)
@@ -295,7 +305,7 @@ def test_locality_command_times_every_layout_for_both_phases(tmp_path, capsys):
 
 
 def test_locality_command_checks_the_flex_kernel_against_the_reference(tmp_path):
-    pytest.importorskip("torch")
+    _skip_without_cpu_flex()
     from kvpool.locality.cli import main
 
     out = tmp_path / "loc.json"
@@ -314,6 +324,22 @@ def test_bad_arguments_are_errors_not_tracebacks(capsys):
     assert "usable" in capsys.readouterr().err
     assert main(["--device", "cpu", *TINY, "--layouts", "canonical,sideways"]) == 2
     assert "unknown layout" in capsys.readouterr().err
+
+
+def test_flex_on_a_cpu_without_inductor_s_flex_kernel_is_a_one_line_error(monkeypatch, capsys):
+    # aarch64 (Grace) or a CPU without AVX2: torch's own check says no, and the command says
+    # so instead of failing inside Inductor's compile.
+    pytest.importorskip("torch")
+    flex_cpu = pytest.importorskip("torch._inductor.kernel.flex.flex_cpu")
+    from kvpool.locality import kernels
+    from kvpool.locality.cli import main
+
+    monkeypatch.setattr(flex_cpu, "check_cpu_supported", lambda: False)
+    assert "needs x86 AVX2" in kernels.flex_unsupported_reason("cpu")
+    assert kernels.flex_unsupported_reason("cuda") is None
+    assert main(["--device", "cpu", "--kernel", "flex", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--kernel flex" in err and "--kernel reference" in err
 
 
 def test_without_torch_the_command_says_so(monkeypatch, capsys):

@@ -210,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     defaults = DEFAULTS[device.type]
     kernel = args.kernel if args.kernel != "auto" else ("flex" if device.type == "cuda" else "reference")
+    if kernel == "flex":
+        from kvpool.locality.kernels import flex_unsupported_reason
+
+        reason = flex_unsupported_reason(device)
+        if reason:
+            print(f"python -m kvpool locality: error: --kernel flex: {reason}", file=sys.stderr)
+            return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     geometry = bench.Geometry(

@@ -24,6 +24,7 @@ physical K/V position back to its request's logical position (vLLM's
 from __future__ import annotations
 
 import math
+import platform
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,6 +94,29 @@ def reference_paged_attention(
 
 
 _compiled_flex = None
+
+
+def flex_unsupported_reason(device: torch.device | str) -> str | None:
+    """Why the compiled ``flex_attention`` cannot run on ``device`` here, or None if it can.
+
+    On CUDA it always can (Triton). On the CPU, Inductor's flex template generates AVX2 C++
+    and refuses other machines (``torch._inductor.kernel.flex.flex_cpu.check_cpu_supported``,
+    torch 2.5 and later: aarch64 hosts such as Grace, a CPU without AVX2,
+    ``ATEN_CPU_CAPABILITY=default``); the compile then fails deep inside Inductor with a
+    ``LoweringException``. A torch without that check is let through (the compile says
+    for itself).
+    """
+    if torch.device(device).type != "cpu":
+        return None
+    try:
+        from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
+    except ImportError:
+        return None
+    if check_cpu_supported():
+        return None
+    return (f"torch {torch.__version__} has no compiled flex_attention for this CPU "
+            f"({platform.machine()}: Inductor's CPU flex kernel needs x86 AVX2); "
+            "use --kernel reference, or a CUDA device")
 
 
 def _flex():
