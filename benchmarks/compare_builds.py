@@ -2,16 +2,21 @@
 
 Usage: python benchmarks/compare_builds.py --a NAME A1.json A2.json ... --b NAME B1.json B2.json ...
 
-For every group it prints each build's vLLM/kvpool ratios (the median over its runs), the
-median of kvpool's own time, and B's ratio relative to A's (B/A: 1.00 = the same, 0.90 =
-B's ratio 10% lower). Exit status 1 when B's median ratio is more than --tolerance (default
-0.10) below A's in any group that has a target (benchmarks/ratios.py).
+A's and B's runs are given in the order they were measured, A1 B1 A2 B2 ... alternating, so
+Ai and Bi are neighbours in time: pair i. For every group it prints each build's vLLM/kvpool
+ratio per run, the median of kvpool's own time, and B's ratio relative to A's as the median
+over the pairs of Bi's ratio / Ai's (1.00 = the same, 0.90 = B's ratio 10% lower), the way
+benchmarks/ratios.py compares the step benchmark's modes round by round: the shared host's
+speed moves between minutes (vLLM's own Python time, the same code in both builds, moved
+1.4x between neighbouring runs of 2026-12-03), and a pair sees one state of it where a median
+of each build's runs can set a fast state of one build against a slow one of the other.
+Exit status 1 when that paired median is more than --tolerance (default 0.10) below 1 in any
+group that has a target (benchmarks/ratios.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -20,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.check_ratios import rows_of  # noqa: E402
 
 
-def collect(paths: list[str]) -> dict[str, dict[str, list[float]]]:
-    out: dict[str, dict[str, list[float]]] = {}
+def collect(paths: list[str]) -> dict[str, dict]:
+    """Per group: the runs' ratios, kvpool and vLLM times (seconds), in the order given."""
+    out: dict[str, dict] = {}
     for p in paths:
         for r in rows_of(p):
             g = out.setdefault(r["group"], {"ratio": [], "kvpool_s": [], "vllm_s": [], "target": r["target"]})
@@ -29,6 +35,17 @@ def collect(paths: list[str]) -> dict[str, dict[str, list[float]]]:
             g["kvpool_s"].append(r["kvpool_s"])
             g["vllm_s"].append(r["vllm_s"])
     return out
+
+
+def paired_relative(a_ratios: list[float], b_ratios: list[float]) -> float:
+    """Median over pairs i of b_ratios[i] / a_ratios[i]; a run without a partner is left out.
+
+    Raises ValueError when there is no pair.
+    """
+    pairs = [b / a for a, b in zip(a_ratios, b_ratios)]
+    if not pairs:
+        raise ValueError("no pair of runs to compare")
+    return statistics.median(pairs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,17 +59,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--a and --b each take a name and at least one JSON")
     a, b = collect(pa), collect(pb)
     worst = 1.0
-    print(f"{'operation':<28}{na + ' ratios':>26}{nb + ' ratios':>26}{'kvpool ' + na:>14}{'kvpool ' + nb:>14}{nb + '/' + na:>10}")
+    print(f"{'operation':<34}{na + ' ratios':>34}{nb + ' ratios':>34}{'kvpool ' + na:>14}{'kvpool ' + nb:>14}"
+          f"{nb + '/' + na:>14}")
     for group in sorted(a.keys() & b.keys()):
         ra, rb = a[group]["ratio"], b[group]["ratio"]
-        rel = statistics.median(rb) / statistics.median(ra)
+        rel = paired_relative(ra, rb)
         if a[group]["target"] is not None:
             worst = min(worst, rel)
         fmt = lambda xs: " / ".join(f"{x:.1f}" for x in xs)  # noqa: E731
-        print(f"{group:<28}{fmt(ra):>26}{fmt(rb):>26}"
+        print(f"{group:<34}{fmt(ra):>34}{fmt(rb):>34}"
               f"{statistics.median(a[group]['kvpool_s']) * 1e6:>12.1f}us{statistics.median(b[group]['kvpool_s']) * 1e6:>12.1f}us"
-              f"{rel:>10.2f}")
-    print(f"worst {nb}/{na} ratio of a targeted group: {worst:.2f} (tolerance {1 - args.tolerance:.2f})")
+              f"{rel:>14.2f}")
+    print(f"worst {nb}/{na} paired median ratio of a targeted group: {worst:.2f} (tolerance {1 - args.tolerance:.2f})")
     return 0 if worst >= 1 - args.tolerance else 1
 
 

@@ -47,3 +47,28 @@ def test_ci_fails_only_when_a_ratio_is_below_target_in_every_run(tmp_path, capsy
     assert check_ratios.main([_write(tmp_path, "2.json", low), _write(tmp_path, "3.json", high)]) == 0
     assert check_ratios.main([_write(tmp_path, "2.json", low), _write(tmp_path, "4.json", low)]) == 1
     assert "below target in every run: reorder" in capsys.readouterr().out
+
+
+def test_two_builds_are_compared_pair_by_pair(tmp_path, capsys):
+    """scripts/bench-wheel.sh alternates the builds: run i of each is a pair. The host's
+    fast and slow states fall in different runs (vLLM's own Python moved 1.4x between
+    neighbouring runs): the median of the pairs' relative ratios sees each pair in one
+    state, where the ratio of each build's median would set a fast source run against a
+    slow wheel run."""
+    from benchmarks import compare_builds
+
+    # Source and wheel equal in each pair (relative 1.0), the host twice as slow for pair 2.
+    src = [300.0, 150.0, 300.0, 150.0]
+    whl = [300.0, 150.0, 290.0, 150.0]
+    assert compare_builds.paired_relative(src, whl) == pytest.approx(1.0)
+    a = [_write(tmp_path, f"a{i}.json", r) for i, r in enumerate(src)]
+    b = [_write(tmp_path, f"b{i}.json", r) for i, r in enumerate(whl)]
+    assert compare_builds.main(["--a", "source", *a, "--b", "wheel", *b]) == 0
+    # A wheel 20% below in every pair fails, whatever the host did.
+    b = [_write(tmp_path, f"c{i}.json", r * 0.8) for i, r in enumerate(src)]
+    assert compare_builds.main(["--a", "source", *a, "--b", "wheel", *b]) == 1
+    assert "paired median ratio of a targeted group: 0.80" in capsys.readouterr().out
+    # A run without a partner is left out; no pair at all is an error, not a verdict.
+    assert compare_builds.paired_relative([1.0, 2.0], [1.0]) == 1.0
+    with pytest.raises(ValueError, match="no pair"):
+        compare_builds.paired_relative([], [1.0])
