@@ -59,17 +59,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--a and --b each take a name and at least one JSON")
     a, b = collect(pa), collect(pb)
     worst = 1.0
-    print(f"{'operation':<34}{na + ' ratios':>34}{nb + ' ratios':>34}{'kvpool ' + na:>14}{'kvpool ' + nb:>14}"
-          f"{nb + '/' + na:>14}")
+    # One line a group: the verdict and kvpool's own medians first, then every run's ratio
+    # (as many as rounds were run, so they go last and are never cut to a column).
+    print(f"{'operation':<34}{nb + '/' + na:>12}{'kvpool ' + na:>16}{'kvpool ' + nb:>16}   ratios per run")
     for group in sorted(a.keys() & b.keys()):
         ra, rb = a[group]["ratio"], b[group]["ratio"]
         rel = paired_relative(ra, rb)
         if a[group]["target"] is not None:
             worst = min(worst, rel)
         fmt = lambda xs: " / ".join(f"{x:.1f}" for x in xs)  # noqa: E731
-        print(f"{group:<34}{fmt(ra):>34}{fmt(rb):>34}"
-              f"{statistics.median(a[group]['kvpool_s']) * 1e6:>12.1f}us{statistics.median(b[group]['kvpool_s']) * 1e6:>12.1f}us"
-              f"{rel:>14.2f}")
+        print(f"{group:<34}{rel:>12.2f}"
+              f"{statistics.median(a[group]['kvpool_s']) * 1e6:>14.1f}us{statistics.median(b[group]['kvpool_s']) * 1e6:>14.1f}us"
+              f"   {na} {fmt(ra)} | {nb} {fmt(rb)}")
     print(f"worst {nb}/{na} paired median ratio of a targeted group: {worst:.2f} (tolerance {1 - args.tolerance:.2f})")
     return 0 if worst >= 1 - args.tolerance else 1
 
