@@ -185,6 +185,26 @@ def _report(bench, device, kernel: str, geometry, config: dict, timings) -> dict
     }
 
 
+def _device_and_kernel(torch, device_arg: str, kernel_arg: str):
+    """(torch.device, kernel name) for --device and --kernel; ValueError (a one-line message) where this
+    machine cannot run them: --device cuda without a CUDA device, --kernel flex on a CPU without
+    Inductor's flex kernel (kernels.flex_unsupported_reason)."""
+    if device_arg == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(device_arg)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda but torch sees no CUDA device")
+    kernel = kernel_arg if kernel_arg != "auto" else ("flex" if device.type == "cuda" else "reference")
+    if kernel == "flex":
+        from kvpool.locality.kernels import flex_unsupported_reason
+
+        reason = flex_unsupported_reason(device)
+        if reason:
+            raise ValueError(f"--kernel flex: {reason}")
+    return device, kernel
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -201,22 +221,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[locality {time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     t_start = time.perf_counter()
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            print("python -m kvpool locality: error: --device cuda but torch sees no CUDA device", file=sys.stderr)
-            return 2
+    try:
+        device, kernel = _device_and_kernel(torch, args.device, args.kernel)
+    except ValueError as e:
+        print(f"python -m kvpool locality: error: {e}", file=sys.stderr)
+        return 2
     defaults = DEFAULTS[device.type]
-    kernel = args.kernel if args.kernel != "auto" else ("flex" if device.type == "cuda" else "reference")
-    if kernel == "flex":
-        from kvpool.locality.kernels import flex_unsupported_reason
-
-        reason = flex_unsupported_reason(device)
-        if reason:
-            print(f"python -m kvpool locality: error: --kernel flex: {reason}", file=sys.stderr)
-            return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     geometry = bench.Geometry(
