@@ -150,7 +150,14 @@ def _defer_then_pop(queue, fence_seq: int, managers, request_id) -> None:
         if queued:
             _keep_popped_groups(queue, fence_seq, managers, peeked, request_id)
         raise
-    if all(_same_blocks(got, peek) for got, peek in zip(popped, peeked)):
+    # A plain loop, not all(<generator>): CPython 3.12's MAKE_FUNCTION crashes the
+    # interpreter when the generator's function object cannot be allocated (a
+    # double decref of the code object; python/cpython#122752, #151763), and a
+    # MemoryError here must stay one.
+    for got, peek in zip(popped, peeked):
+        if not _same_blocks(got, peek):
+            break
+    else:
         return
     # Not what vLLM's code pops (its bookkeeping changed under us): queue what was
     # popped instead.
