@@ -24,6 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 MAX_K = int(os.environ.get("KVPOOL_FAULT_MAX_K", "5000"))
 lib = ctypes.CDLL(os.environ["KVPOOL_FAILMALLOC"])
 lib.kvpool_fault_arm.argtypes = [ctypes.c_long]
+# void: with ctypes' default int result, whatever the return register holds (aarch64:
+# often not a small int) becomes a Python int, an allocation the armed shim fails.
+lib.kvpool_fault_arm.restype = None
 lib.kvpool_fault_disarm.restype = ctypes.c_long
 
 import kvpool  # noqa: E402

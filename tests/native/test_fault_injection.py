@@ -65,6 +65,7 @@ def test_the_shim_fails_exactly_the_armed_allocation(failmalloc):
         "import ctypes, os\n"
         "lib = ctypes.CDLL(os.environ['KVPOOL_FAILMALLOC'])\n"
         "lib.kvpool_fault_arm.argtypes = [ctypes.c_long]\n"
+        "lib.kvpool_fault_arm.restype = None\n"  # void (aarch64: the arm call itself failed)
         "lib.kvpool_fault_arm(0)\n"
         "try:\n"
         "    x = [0] * 100000\n"
