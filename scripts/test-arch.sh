@@ -28,7 +28,7 @@
 #            tests/v1/core and KV connector tests, vanilla vs kvpool
 #            (`python -m kvpool conformance`, zero regressions). About 1 h 45 min on the
 #            2-core machine (2026-12-03: set-up 13 min with the wheel already built, the
-#            suite 68 min, vLLM's tests 13 min).
+#            suite 68 min, vLLM's tests 13 min; 71 min with the chroot and its environment kept).
 # The environment lives in the chroot (/opt/kvpool-venv, /opt/kvpool-venv-smoke).
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 usage="usage: scripts/test-arch.sh aarch64 [--smoke] [3.11|3.13|3.14] [pytest args]"
