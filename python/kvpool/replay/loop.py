@@ -54,6 +54,9 @@ class Stepper:
         self.prompt_tables: dict[str, list[int]] = {}
         #: request id -> descriptors of its prompt blocks, one ``int`` per KV cache group.
         self.prompt_descriptors: dict[str, list[int]] = {}
+        #: request id -> the same summed over groups with each group's blocks in ascending
+        #: id order (:func:`~.metrics.sorted_descriptors`: the floor any placement can reach).
+        self.prompt_descriptors_sorted: dict[str, int] = {}
         #: (blocks that became full, copies), one entry per step that cached a block.
         self.copies_per_step: list[tuple[int, int]] = []
         groups = getattr(getattr(scheduler, "kv_cache_config", None), "kv_cache_groups", None) or []
@@ -89,9 +92,11 @@ class Stepper:
                     groups = self.kv.get_block_ids(rid)
                     self.prompt_tables[rid] = list(groups[0][: entry[1]])
                     prompt_len = entry[0].num_prompt_tokens
+                    prompts = [g[: -(-prompt_len // bs)] for g, bs in zip(groups, self.group_block_sizes)]
                     self.prompt_descriptors[rid] = [
-                        metrics.transfer_descriptors(g[: -(-prompt_len // bs)], self.null_block_id)
-                        for g, bs in zip(groups, self.group_block_sizes)]
+                        metrics.transfer_descriptors(g, self.null_block_id) for g in prompts]
+                    self.prompt_descriptors_sorted[rid] = sum(
+                        metrics.sorted_descriptors(g, self.null_block_id) for g in prompts)
                     del awaiting[rid]
         return so, dt
 
@@ -151,6 +156,8 @@ def _transfer_stats(stepper: Stepper, caches_blocks: bool) -> dict[str, Any]:
         "prompt_descriptors_max": desc["max"], "prompt_descriptors_total": desc["total"],
         "prompt_descriptors_by_group": [sum(d[g] for d in per_prompt) for g in range(len(stepper.group_block_sizes))],
     }
+    floor = metrics.spread(list(stepper.prompt_descriptors_sorted.values()))
+    out.update(prompt_descriptors_sorted_median=floor["median"], prompt_descriptors_sorted_total=floor["total"])
     if caches_blocks:
         steps = stepper.copies_per_step
         copies = metrics.spread([c for _, c in steps])
@@ -289,6 +296,7 @@ class _Stream:
         self.probe.reset()
         self.stepper.prompt_tables = {}
         self.stepper.prompt_descriptors = {}
+        self.stepper.prompt_descriptors_sorted = {}
         self.stepper.copies_per_step = []
         self.window = _Window()
         return self.window

@@ -132,6 +132,24 @@ def transfer_descriptors(block_ids: Sequence[int], null_block_id: int = NULL_BLO
     return len(descriptor_runs(block_ids, null_block_id))
 
 
+def sorted_descriptors(block_ids: Sequence[int], null_block_id: int = NULL_BLOCK_ID) -> int:
+    """:func:`transfer_descriptors` of the same blocks listed in ascending id order: the
+    fewest descriptors any order of ``block_ids`` can post (each maximal set of
+    consecutive ids is one descriptor at best), so ``sorted_descriptors(t) <=
+    transfer_descriptors(t)``. What is left of a table's count once it equals this floor
+    is fixed by *which* blocks the table holds (vLLM's evictions and hits), not by where
+    they sit: ``[9, 8, 7, 2]`` is 4 descriptors, sorted 2.
+
+    Args:
+        block_ids: physical block ids in logical (table) order; null (``null_block_id``)
+            and negative ids are dropped, as in :func:`transfer_descriptors`.
+
+    Returns:
+        Number of descriptors of the ascending order (0 for no transferable block).
+    """
+    return transfer_descriptors(sorted(block_ids), null_block_id)
+
+
 def nearest_rank(values: Sequence[float], q: float):
     """Nearest-rank percentile: the smallest value with at least ``q`` of ``values``
     at or below it (an observed value, never an interpolation); ``None`` when empty.

@@ -272,6 +272,7 @@ def render_tables(report: dict[str, Any], console) -> None:
                               "runs (blocks), descending pairs, scheduler CPU per step", cols))
     if any("prompt_descriptors_total" in x for r in modes.values() for x in r["rounds"]):
         cols = [("desc. median", "prompt_descriptors_median", _count),
+                ("sorted median", "prompt_descriptors_sorted_median", _count),
                 ("desc. p90", "prompt_descriptors_p90", _count),
                 ("desc. max", "prompt_descriptors_max", _count)]
         if any(x.get("offload_copies_total") is not None for r in modes.values() for x in r["rounds"]):
@@ -279,7 +280,8 @@ def render_tables(report: dict[str, Any], console) -> None:
                      ("copies/step max", "offload_copies_per_step_max", _count)]
         console.print(*_per_round(
             modes, n, warm, console.width,
-            "KV transfer: descriptors per prompt (runs of id+1, what NIXL posts; vLLM PR #55841), "
+            "KV transfer: descriptors per prompt (runs of id+1, what NIXL posts; vLLM PR #55841; "
+            "sorted: the same blocks in ascending order, the fewest any placement can post), "
             "offloading copies per step (PR #35990)", cols))
     if any("pd_descriptors_total" in x for r in modes.values() for x in r["rounds"]):
         console.print(*_per_round(

@@ -72,6 +72,11 @@ class RoundResult:
     prompt_descriptors_max: int | None = None
     prompt_descriptors_total: int = 0
     prompt_descriptors_by_group: list[int] = field(default_factory=list)
+    #: The same prompts with each one's blocks in ascending id order
+    #: (``metrics.sorted_descriptors``, the fewest descriptors any placement of the
+    #: blocks it holds can post): median and total.
+    prompt_descriptors_sorted_median: int | None = None
+    prompt_descriptors_sorted_total: int = 0
     #: Offloading (vLLM PR #35990): blocks that became full (cached), the steps that
     #: cached any, and per such step the copies (runs among its new full blocks, per
     #: request and group). ``None`` without prefix caching (vLLM caches no block).
