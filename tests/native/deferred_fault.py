@@ -14,7 +14,6 @@ block is back in the pool.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 from pathlib import Path
@@ -22,12 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 MAX_K = int(os.environ.get("KVPOOL_FAULT_MAX_K", "5000"))
-lib = ctypes.CDLL(os.environ["KVPOOL_FAILMALLOC"])
-lib.kvpool_fault_arm.argtypes = [ctypes.c_long]
-# void: with ctypes' default int result, whatever the return register holds (aarch64:
-# often not a small int) becomes a Python int, an allocation the armed shim fails.
-lib.kvpool_fault_arm.restype = None
-lib.kvpool_fault_disarm.restype = ctypes.c_long
+from failmalloc_ctl import disarm, lib  # noqa: E402  (tests/native: the script's own folder)
 
 import kvpool  # noqa: E402
 
@@ -60,7 +54,7 @@ def sweep(hybrid: bool) -> int:
         except MemoryError as exc:
             error = exc
         finally:
-            hit = lib.kvpool_fault_disarm()
+            hit = disarm()
         if error is not None:
             # Each group is either still in its table or queued, never both or
             # neither (vLLM's own pop may fail after an earlier group was popped).
