@@ -62,10 +62,8 @@ def run_sweep(shim: Path, *operations: str) -> subprocess.CompletedProcess:
 
 def test_the_shim_fails_exactly_the_armed_allocation(failmalloc):
     code = (
-        "import ctypes, os\n"
-        "lib = ctypes.CDLL(os.environ['KVPOOL_FAILMALLOC'])\n"
-        "lib.kvpool_fault_arm.argtypes = [ctypes.c_long]\n"
-        "lib.kvpool_fault_arm.restype = None\n"  # void (aarch64: the arm call itself failed)
+        f"import sys; sys.path.insert(0, {str(HERE)!r})\n"
+        "from failmalloc_ctl import lib\n"  # the sweeps' own ctypes declarations
         "lib.kvpool_fault_arm(0)\n"
         "try:\n"
         "    x = [0] * 100000\n"
