@@ -21,6 +21,7 @@ cimport cython
 from cpython.list cimport PyList_New, PyList_SET_ITEM, PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.tuple cimport PyTuple_GET_ITEM
 from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from cpython.object cimport Py_TYPE
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
@@ -112,3 +113,9 @@ include "touch.pxi"               # pool_touch
 include "unpin_evict.pxi"         # pool_unpin_blocks, pool_blocks_to_evict
 include "member_descriptors.pxi"  # T_OBJECT_EX descriptors for the hot fields
 include "deferred_free.pxi"       # FencedDeferredFreeQueue
+
+
+# Last: the build's check of every hand-written C declaration above and in the included
+# files against CPython's headers (src/kvpool/capi_checks.h).
+cdef extern from "capi_checks.h":
+    pass

@@ -77,7 +77,7 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
             error the popped blocks that are still off the free list and unchanged by
             others are put back in front, in their old order, with ``ref_cnt`` 0.
     """
-    cdef Py_ssize_t n = _index(num_blocks), i = 0, j, nset = 0, nback = 0
+    cdef Py_ssize_t n, i = 0, j, nset = 0, nback = 0
     cdef list ret
     cdef PyObject* o
     cdef PyObject** table
@@ -95,17 +95,22 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     cdef long refs
     cdef uint64_t insertions
     cdef int32_t extents_before = 0
-    cdef int32_t uncached = n, cont = -1
+    cdef int32_t uncached, cont = -1
     cdef vector[pair[int32_t, ObjPtr]] placement  # the table order's scratch
     cdef vector[int32_t] lru_front  # with an LRU window: the LRU front, for an undo
     cdef int32_t nfront = 0
     cdef int evict_state = 0 if pool is not None else 2   # 0 unknown, 1 native, 2 callback
     cdef dict evict_cache = None
     cdef list evict_log = None
-    if n < 0:
-        raise ValueError(f"cannot get a negative number of blocks ({n})")
-    if n > queue._list.size() + queue._count_offset:
-        raise ValueError(f"Cannot get {n} free blocks from the pool")
+    # Compared as Python ints first: a count past Py_ssize_t gets vLLM's ValueError,
+    # not an OverflowError from the conversion.
+    n_o = _index(num_blocks)
+    if n_o < 0:
+        raise ValueError(f"cannot get a negative number of blocks ({n_o})")
+    if n_o > queue._list.size() + queue._count_offset:
+        raise ValueError(f"Cannot get {n_o} free blocks from the pool")
+    n = n_o
+    uncached = <int32_t>n
     if n > queue._list.size():
         raise ValueError(f"Cannot get {n} free blocks from the pool "
                          f"(only {queue._list.size()} are really free)")

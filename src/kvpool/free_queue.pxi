@@ -387,7 +387,7 @@ cdef class FreeKVCacheBlockQueue:
         Raises TypeError if ``n`` is not an int, ValueError if it is negative or more
         than ``num_free_blocks``.
         """
-        cdef Py_ssize_t count = _index(n)
+        count = _index(n)   # (a Python int: any size gets the ValueError)
         if count < 0 or count > self._list.size():
             raise ValueError(f"cannot pop {count} blocks: {self._list.size()} free")
         return self._pop_front(<int32_t>count)

@@ -34,7 +34,6 @@ cdef extern from *:
     }
     """
     unsigned int kvpool_type_tag(PyObject* t)
-    int PyLong_AsLongLongAndOverflow(object o, int* overflow) except? -1
 
 
 cdef class _AllocateSlotsFastPath:
@@ -231,15 +230,23 @@ def disable_allocate_slots_fast_path():
     _fast_path.enabled = False
 
 
+#: The largest value _nonneg takes natively (exclusive): the native arithmetic adds at
+#: most three such values (computed + new + lookahead tokens), which stays below 2**63.
+#: A larger int is vLLM's to read: its Python arithmetic is unbounded.
+cdef long long _NATIVE_INT_LIMIT = (<long long>1) << 60
+
+
 cdef inline bint _nonneg(object x, long long* out):
-    """x is an exact int in [0, 2**62): store it. Anything else (a subclass, a bool, a
-    negative or huge value) -> False, and the caller hands the call to vLLM."""
+    """x is an exact int in [0, 2**60): store it. Anything else (a subclass, a bool, a
+    negative or larger value) -> False, and the caller hands the call to vLLM. The value
+    is read at full width (CPython's own declaration of PyLong_AsLongLongAndOverflow,
+    cimported: a hand-written one once returned int and kept the low 32 bits)."""
     cdef int overflow = 0
     cdef long long v
     if type(x) is not int:
         return False
     v = PyLong_AsLongLongAndOverflow(x, &overflow)
-    if overflow or v < 0 or v >= (<long long>1 << 62):
+    if overflow or v < 0 or v >= _NATIVE_INT_LIMIT:
         return False
     out[0] = v
     return True
