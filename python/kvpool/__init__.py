@@ -23,6 +23,7 @@ __all__ = [
     "KvpoolError",
     "LazyOffloadOrderError",
     "NotAKvpoolPoolError",
+    "PoolsBuiltBeforeInstallError",
     "UnsupportedVLLMVersionError",
     "__version__",
     "install",
@@ -75,18 +76,14 @@ def __getattr__(name: str):
         from kvpool.block_pool import BlockPool
 
         return BlockPool
-    if name == "KvpoolError":
-        from kvpool.errors import KvpoolError
+    if name in ("KvpoolError", "NotAKvpoolPoolError", "PoolsBuiltBeforeInstallError"):
+        from kvpool import errors
 
-        return KvpoolError
+        return getattr(errors, name)
     if name == "LazyOffloadOrderError":
         from kvpool.patches.lazy_offload import LazyOffloadOrderError
 
         return LazyOffloadOrderError
-    if name == "NotAKvpoolPoolError":
-        from kvpool.block_pool import NotAKvpoolPoolError
-
-        return NotAKvpoolPoolError
     if name == "InvalidSettingError":
         from kvpool.envs import InvalidSettingError
 

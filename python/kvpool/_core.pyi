@@ -166,6 +166,13 @@ def pool_blocks_to_evict(
 ) -> list[KVCacheBlock]: ...
 
 # The KV cache manager's step (manager.pxi; kvpool.patches.manager_fast_path binds them).
+@disjoint_base
+class VllmCallGuard:
+    names: tuple[str, ...]
+    functions: tuple[Any, ...]
+    def __init__(self, names: tuple[str, ...], functions: tuple[Any, ...]) -> None: ...
+    def intact(self, pool: Any) -> bool: ...
+
 def allocate_slots_fast_path_state() -> dict[str, Any]: ...
 def configure_allocate_slots_fast_path(
     *,

@@ -7,9 +7,9 @@ Everything else (prefix-cache bookkeeping, KV cache events, partial blocks) is
 vLLM's own code, inherited unchanged.
 
 Fast paths skip only work that is provably not needed: with a metrics collector or
-reuse watchers registered, ``get_new_blocks`` and ``touch`` run vLLM's loop (over
-kvpool's queue) so every callback fires exactly as in vLLM; so does
-``get_new_blocks`` of a subclass that overrides ``_maybe_evict_cached_block``.
+reuse watchers registered, or a method vLLM's loop calls patched (``kvpool.vllm_calls``),
+``get_new_blocks`` and ``touch`` run vLLM's loop (over kvpool's queue) so every callback
+fires exactly as in vLLM.
 
 A subclass that does not run ``BlockPool.__init__`` (kvcached's elastic pool builds
 its own free structures) or that replaces ``free_block_queue`` with another kind of
@@ -21,17 +21,20 @@ queue runs vLLM's own methods unchanged; kvpool's additions on it
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared
 from vllm.v1.core import block_pool as _vllm_block_pool
 
 from kvpool import allocation, envs
-from kvpool.errors import KvpoolError
+from kvpool.errors import NotAKvpoolPoolError
+from kvpool.vllm_calls import POOL_SELF_CALLS
 from kvpool._core import (
     BlockTable,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
+    VllmCallGuard,
     make_pool_blocks,
     pool_blocks_to_evict,
     pool_free_blocks,
@@ -45,14 +48,17 @@ from kvpool._core import (
 # vLLM's would, with vLLM's handler, format and per-logger levels.
 logger = _vllm_block_pool.logger
 
-#: ``KVPOOL_REORDER_ON_RESET=1``: every successful prefix-cache reset also restores
-#: the canonical free-queue order (the RFC's Option B, switched on for a deployment).
+#: ``KVPOOL_REORDER_ON_RESET=1``: every successful reset also restores the canonical order.
 REORDER_ON_RESET_ENV = envs.REORDER_ON_RESET
 
 VllmBlockPool = _vllm_block_pool.BlockPool
-# kvpool's loop calls the eviction hook only for blocks that have a hash (vLLM's
-# returns at once for the others); a subclass that overrides it gets vLLM's loop.
-_VLLM_MAYBE_EVICT = VllmBlockPool._maybe_evict_cached_block
+
+
+# kvpool's loops call the eviction hook only for hashed blocks (vLLM's, for every block):
+# what vLLM's get_new_blocks / evict_blocks call through self. patched -> vLLM's loop.
+_GET_NEW_BLOCKS, _EVICT_BLOCKS = POOL_SELF_CALLS["get_new_blocks"], POOL_SELF_CALLS["evict_blocks"]
+_GET_NEW_BLOCKS_CALLS = VllmCallGuard(_GET_NEW_BLOCKS, tuple(map(getattr, repeat(VllmBlockPool), _GET_NEW_BLOCKS)))
+_EVICT_BLOCKS_CALLS = VllmCallGuard(_EVICT_BLOCKS, tuple(map(getattr, repeat(VllmBlockPool), _EVICT_BLOCKS)))
 VllmBlockHashToBlockMap = _vllm_block_pool.BlockHashToBlockMap
 
 
@@ -102,12 +108,6 @@ class BlockHashToBlockMap(VllmBlockHashToBlockMap):
             return blocks
         self._cache[key] = blocks
         return None
-
-
-class NotAKvpoolPoolError(KvpoolError, TypeError):
-    """A kvpool addition called on a pool that kvpool did not build: a ``BlockPool``
-    subclass that skipped ``BlockPool.__init__`` or replaced its ``free_block_queue``
-    with another kind of queue (vLLM's own methods still work on it)."""
 
 
 class BlockPool(VllmBlockPool):
@@ -267,11 +267,12 @@ class BlockPool(VllmBlockPool):
 
     def _needs_vllm_loop(self) -> bool:
         # Callbacks that must see every allocated block (reuse watchers, a metrics
-        # collector, a subclass's eviction hook) get vLLM's own allocation loop.
+        # collector, an eviction hook patched on the class or the instance, a subclass's)
+        # get vLLM's own allocation loop.
         return bool(
             self._reuse_watchers
             or self.metrics_collector is not None
-            or type(self)._maybe_evict_cached_block is not _VLLM_MAYBE_EVICT
+            or not _GET_NEW_BLOCKS_CALLS.intact(self)
         )
 
     def _idle(self) -> bool:
@@ -335,7 +336,9 @@ class BlockPool(VllmBlockPool):
         """
         if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
             return VllmBlockPool.evict_blocks(self, block_ids)
-        every_block = self.metrics_collector is not None
+        # vLLM's loop calls the eviction hook for every id; kvpool's for hashed blocks,
+        # unless the hook (or what it calls) is patched, or a metrics collector counts.
+        every_block = self.metrics_collector is not None or not _EVICT_BLOCKS_CALLS.intact(self)
         for block in pool_blocks_to_evict(
             self.blocks, block_ids, self.cached_block_hashes_by_block, every_block
         ):

@@ -28,6 +28,7 @@ changing anything.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import inspect
 import logging
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool import envs
+from kvpool.errors import PoolsBuiltBeforeInstallError
 from kvpool.vllm_compat import MissingPatchTargetError, UnsupportedVLLMVersionError, check_vllm_version, is_supported
 
 # Under the "vllm" logger, so vLLM's logging configuration (handler, format, level,
@@ -181,7 +183,8 @@ def _rebase_subclasses(state: _InstallState, replacements: dict[str, Any]) -> No
         state.rebased.append((cls, old_bases))
 
 
-def install(*, force: bool = False, allocation: str | None = None, lru_window: int | None = None) -> bool:
+def install(*, force: bool = False, allocation: str | None = None, lru_window: int | None = None,
+            allow_vllm_built_pools: bool = False) -> bool:
     """Replace vLLM's block pool classes with kvpool's, in every vLLM module.
 
     Idempotent: a second call with the same policy does nothing and returns False.
@@ -196,6 +199,8 @@ def install(*, force: bool = False, allocation: str | None = None, lru_window: i
             when that makes fewer runs of consecutive ids (opt-in: which cached
             blocks are evicted then differs from vLLM's); None:
             ``$KVPOOL_LRU_WINDOW``, else 0 (vLLM's exact LRU).
+        allow_vllm_built_pools: skip :func:`vllm_built_pools`' check, for a caller that
+            steps such pools only while kvpool is uninstalled (the replay's modes).
 
     Returns:
         True if this call installed kvpool, False if it already was.
@@ -208,6 +213,8 @@ def install(*, force: bool = False, allocation: str | None = None, lru_window: i
             accept; checked before anything changes.
         ValueError: a policy (or LRU window) other than the installed one (call
             ``uninstall()`` first).
+        PoolsBuiltBeforeInstallError: a pool vLLM built without kvpool is alive (an
+            engine created before ``install()``); nothing is changed.
         UnsupportedVLLMVersionError: vLLM is missing or its version is not supported;
             or, on a forced untested version, vLLM's block classes cannot be bound
             (nothing is changed then).
@@ -231,6 +238,8 @@ def install(*, force: bool = False, allocation: str | None = None, lru_window: i
             return False
         version = check_vllm_version(force=force)
         untested = not is_supported(version)
+        if not allow_vllm_built_pools:
+            _refuse_pools_built_before_install()
         try:
             state = _InstallState(vllm_version=version, vanilla=vanilla_classes())
             replacements = _replacements()
@@ -254,6 +263,73 @@ def install(*, force: bool = False, allocation: str | None = None, lru_window: i
         _allocation.set_policy(policy, window)
         logger.debug("kvpool installed into vLLM %s (allocation=%s, lru_window=%d)", version, policy, window)
         return True
+
+
+def vllm_built_pools() -> list[Any]:
+    """The live block pools whose blocks are vLLM's own ``KVCacheBlock`` (built while
+    kvpool was not installed): ``list[BlockPool]``, empty when vLLM's block pool module
+    was never imported.
+
+    One pass over the garbage collector's objects (tens of ms in a process with an
+    engine), then a collection and a second pass only if any was found, so that
+    unreachable pools awaiting collection do not count. Objects frozen with
+    ``gc.freeze()`` (vLLM freezes its engine's after building it) are outside that
+    pass: when the process has any, they are unfrozen for the look and everything is
+    frozen again after it (objects allocated since the last freeze are then frozen
+    too, as at vLLM's own next freeze)."""
+    module = sys.modules.get("vllm.v1.core.block_pool")
+    utils = sys.modules.get("vllm.v1.core.kv_cache_utils")
+    if module is None or utils is None:
+        return []
+    vanilla_pool = _original_class(module, "BlockPool")
+    vanilla_block = _original_class(utils, "KVCacheBlock")
+
+    def scan() -> list[Any]:
+        found = []
+        for obj in gc.get_objects():
+            # type(), not isinstance(): some objects warn when their __class__ is read.
+            if issubclass(type(obj), vanilla_pool) and type(getattr(obj, "null_block", None)) is vanilla_block:
+                found.append(obj)
+        return found
+
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
+    try:
+        found = scan()
+        if found:
+            del found
+            gc.collect()
+            found = scan()
+    finally:
+        if frozen:
+            gc.freeze()
+    return found
+
+
+def _original_class(module, name: str):
+    """vLLM's own class ``module.name`` (the one kvpool replaces, also while installed)."""
+    if _state is not None and name in _state.vanilla:
+        return _state.vanilla[name]
+    return getattr(module, name)
+
+
+def _refuse_pools_built_before_install() -> None:
+    """Raise :class:`PoolsBuiltBeforeInstallError` while a pool of vLLM's blocks is alive
+    (before anything is patched). Such a pool's ``BlockHashToBlockMap`` asserts that its
+    blocks are the ``KVCacheBlock`` its module names, which ``install()`` rebinds to
+    kvpool's: its next prefix-cache hit or eviction would raise inside vLLM's scheduler."""
+    pools = vllm_built_pools()
+    if not pools:
+        return
+    kinds = sorted({type(p).__qualname__ for p in pools})
+    raise PoolsBuiltBeforeInstallError(
+        f"kvpool.install() must run before vLLM builds its KV cache: {len(pools)} block "
+        f"pool(s) ({', '.join(kinds)}) built without kvpool are alive (an LLM, engine or "
+        "Scheduler created before install()). Their blocks and prefix-cache map are vLLM's "
+        "own classes, which vLLM's code rejects once kvpool's are bound. Call "
+        "kvpool.install() before building the engine (or let vLLM load kvpool's plugin, "
+        "which installs it in every vLLM process first); nothing was changed.")
 
 
 def _apply_patch_modules(state: _InstallState, untested: bool) -> None:

@@ -28,7 +28,10 @@ def register() -> None:
             the way to run without it.
 
     A vLLM version kvpool does not support is logged and left vanilla (no exception),
-    so a production server still starts after a vLLM upgrade.
+    so a production server still starts after a vLLM upgrade; so are block pools that
+    vLLM built before its plugins were loaded (``PoolsBuiltBeforeInstallError``: vLLM
+    loads plugins before it builds an engine, so only a process that built one by hand
+    first meets it).
     """
     # vLLM's logger, so the line lands wherever vLLM's own log lines go.
     from vllm.logger import init_logger
@@ -43,11 +46,12 @@ def register() -> None:
         return
     from kvpool import patching
     from kvpool._version import __version__
+    from kvpool.errors import PoolsBuiltBeforeInstallError
     from kvpool.vllm_compat import UnsupportedVLLMVersionError
 
     try:
         patching.install()
-    except UnsupportedVLLMVersionError as e:
+    except (UnsupportedVLLMVersionError, PoolsBuiltBeforeInstallError) as e:
         logger.warning("kvpool: not activated: %s", e)
         return
     from kvpool import allocation

@@ -307,6 +307,43 @@ cdef bint _pool_not_overridden(object pool, tuple names):
     return True
 
 
+@cython.auto_pickle(False)
+cdef class VllmCallGuard:
+    """Whether the methods that vLLM's version of one pool operation calls through
+    ``self.`` are still vLLM's on a pool: resolved on ``type(pool)`` to ``functions``
+    (checked again only after that class or a base changed: its version tag) and none
+    set on the instance (``_emit_block_removed_events`` may be a list's ``extend``,
+    which the native eviction honours). kvpool's native loop calls them less often
+    than vLLM's (or not at all), so an operation whose guard fails runs vLLM's loop.
+    The names are ``kvpool.vllm_calls.POOL_SELF_CALLS``'s."""
+    cdef readonly tuple names, functions
+    cdef object cls
+    cdef unsigned int tag
+
+    def __init__(self, tuple names, tuple functions):
+        if len(names) != len(functions):
+            raise ValueError("one function per name")
+        self.names = names
+        self.functions = functions
+        self.cls = None
+        self.tag = 0
+
+    cpdef bint intact(self, pool) except -1:
+        """True while every method of :attr:`names` is vLLM's for ``pool``."""
+        cdef object cls = type(pool)
+        cdef unsigned int tag = kvpool_type_tag(<PyObject*>cls)
+        cdef Py_ssize_t i
+        if tag == 0 or cls is not self.cls or tag != self.tag:
+            for i in range(len(self.names)):
+                attr = getattr(cls, <str>self.names[i], None)
+                func = self.functions[i]
+                if attr is not func and getattr(attr, "__func__", None) is not func:
+                    return False
+            self.cls = cls
+            self.tag = tag
+        return _pool_not_overridden(pool, self.names)
+
+
 def kv_cache_manager_allocate_slots(
         self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
         num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False,

@@ -21,7 +21,7 @@ PKG = REPO / "python" / "kvpool"
 #: Units (top-level modules and subpackages of ``kvpool``; ``""`` is the package's
 #: ``__init__``), lowest layer first.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "_version"),  # import nothing
+    ("errors", "_version", "vllm_calls"),  # import nothing
     ("envs",),  # every KVPOOL_* setting
     ("vllm_compat",),  # what differs between vLLM releases
     ("_core",),  # the extension

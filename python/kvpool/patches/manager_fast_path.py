@@ -54,6 +54,18 @@ import textwrap
 from typing import Any
 
 from kvpool import allocation, envs
+# Method names the native path skips, which must not be set on the instances (listed
+# with the pool's in kvpool.vllm_calls).
+from kvpool.vllm_calls import (
+    COORDINATOR_NAMES as _COORDINATOR_NAMES,
+    LOOKUP_COORDINATOR_NAMES as _LOOKUP_COORDINATOR_NAMES,
+    LOOKUP_MANAGER_NAMES as _LOOKUP_MANAGER_NAMES,
+    LOOKUP_SINGLE_TYPE_NAMES as _LOOKUP_SINGLE_TYPE_NAMES,
+    MANAGER_NAMES as _MANAGER_NAMES,
+    MAP_NAMES as _MAP_NAMES,
+    POOL_NAMES as _POOL_NAMES,
+    SINGLE_TYPE_NAMES as _SINGLE_TYPE_NAMES,
+)
 
 logger = logging.getLogger("vllm.kvpool")
 
@@ -118,29 +130,6 @@ KNOWN_GET_BLOCK_IDS: dict[str, str] = {
     "0.30.0": "9a4a06f57067c85dc08e93c1e28ed9bfd604c4d9fecb31f857543cff484e69b0",
 }
 
-# Method names the native path skips, which must not be set on the instances.
-_MANAGER_NAMES = ("create_kv_cache_blocks",)
-_COORDINATOR_NAMES = ("remove_skipped_blocks", "get_num_blocks_to_allocate",
-                      "allocate_new_computed_blocks", "allocate_new_blocks", "cache_blocks",
-                      "get_num_cacheable_tokens", "get_replay_boundaries")
-_SINGLE_TYPE_NAMES = ("remove_skipped_blocks", "get_num_skipped_tokens",
-                      "get_num_blocks_to_allocate", "allocate_new_blocks", "cache_blocks",
-                      "_cache_partial_tail_block", "reachable_block_mask",
-                      "_get_num_evictable_blocks", "_has_partial_local_hit")
-
-
-# kvpool's BlockHashToBlockMap methods the native loops replace (class and instance).
-_MAP_NAMES = ("contain", "insert", "pop", "get_one_block")
-# Pool methods the native cache_blocks and eviction skip, which must not be set on the
-# pool instance (_emit_block_removed_events may be a list's extend: the native eviction
-# appends to that list as vLLM's would; _removed_events_list in src/kvpool/manager.pxi).
-_POOL_NAMES = ("cache_full_blocks", "_insert_block_hash", "_maybe_evict_cached_block",
-               "_remove_cached_block_hashes", "_emit_block_removed_events", "get_cached_block",
-               "get_num_free_blocks")
-# ... and those the native get_computed_blocks skips (manager, coordinator, single type).
-_LOOKUP_MANAGER_NAMES = ("prefix_cache_lookup_enabled", "create_kv_cache_blocks")
-_LOOKUP_COORDINATOR_NAMES = ("find_longest_cache_hit",)
-_LOOKUP_SINGLE_TYPE_NAMES = ("find_longest_cache_hit",)
 # The methods kvpool binds (not checked to be vLLM's: they are kvpool's once bound).
 _BOUND = (("KVCacheManager", "allocate_slots"), ("KVCacheManager", "get_computed_blocks"))
 

@@ -18,6 +18,7 @@ policy is read when a pool is created, so each kvpool mode reinstalls kvpool.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,12 +98,16 @@ def _kvpool_api():
     """
     try:
         importlib.import_module("kvpool._core")
-        from kvpool import install, is_installed, uninstall
+        from kvpool import is_installed, patching, uninstall
     except ImportError as e:
         raise ModeUnavailable(
             f"kvpool is not importable ({e}); build it into the venv with "
             "`bash scripts/bootstrap.sh`"
         ) from e
+    # The replay keeps each mode's scheduler between its rounds and steps it only while
+    # its own mode is in force, so vanilla pools alive at an install are never used by
+    # kvpool's code.
+    install = functools.partial(patching.install, allow_vllm_built_pools=True)
     return install, uninstall, is_installed
 
 
