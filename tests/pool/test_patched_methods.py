@@ -136,3 +136,31 @@ def test_unpatched_pools_keep_the_native_loop():
     del pool._emit_block_removed_events
     assert _GET_NEW_BLOCKS_CALLS.intact(pool)
     assert isinstance(_GET_NEW_BLOCKS_CALLS, _core.VllmCallGuard)
+
+
+def _self_calls(cls, name: str, seen: set | None = None) -> set[str]:
+    """Every method ``cls.name`` calls through ``self.`` in vLLM's source, transitively."""
+    import ast
+    import inspect
+    import textwrap
+
+    seen = set() if seen is None else seen
+    tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, name))))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+                and node.func.attr not in seen):
+            seen.add(node.func.attr)
+            if callable(getattr(cls, node.func.attr, None)):
+                _self_calls(cls, node.func.attr, seen)
+    return seen
+
+
+@pytest.mark.parametrize("op", ["get_new_blocks", "evict_blocks", "reset_prefix_cache",
+                                "free_blocks", "touch", "unpin_blocks"])
+def test_the_table_lists_every_self_call_of_vllms_operation(op):
+    """POOL_SELF_CALLS is checked against vLLM's own source, not written from memory
+    (kvpool's free_blocks, touch and unpin_blocks: vLLM's call no method through self.)."""
+    from kvpool.block_pool import VllmBlockPool
+
+    assert _self_calls(VllmBlockPool, op) <= set(POOL_SELF_CALLS.get(op, ()))

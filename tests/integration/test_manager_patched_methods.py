@@ -1,0 +1,199 @@
+"""Every method the native KV cache manager path skips (``kvpool.vllm_calls``), patched
+after ``install()`` on its class or on the instance, is called exactly as vLLM's Python
+manager calls it.
+
+Each case runs one workload twice in this process, with the method patched by a
+recording wrapper of vLLM's own function: once with kvpool installed and
+``KVPOOL_PYTHON_MANAGER=1`` (vLLM's ``allocate_slots``, ``cache_blocks`` and
+``get_computed_blocks`` over kvpool's pool, which tests/pool compares with vLLM's pool),
+once with the native manager path bound. The recorded calls (method and arguments, block
+ids for blocks), the returned tables and the final state must be the same.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import kvpool
+from kvpool import vllm_calls
+from tests.integration.test_manager_fast_path import BLOCK_SIZE, _manager
+from tests.support.scheduler import make_request
+
+_MISSING = object()
+CASES = (
+    [("manager", n) for n in dict.fromkeys(vllm_calls.MANAGER_NAMES + vllm_calls.LOOKUP_MANAGER_NAMES)]
+    + [("coordinator", n) for n in dict.fromkeys(vllm_calls.COORDINATOR_NAMES + vllm_calls.LOOKUP_COORDINATOR_NAMES)]
+    + [("single_type", n) for n in dict.fromkeys(vllm_calls.SINGLE_TYPE_NAMES + vllm_calls.LOOKUP_SINGLE_TYPE_NAMES)]
+    + [("pool", n) for n in vllm_calls.POOL_NAMES]
+    + [("map", n) for n in vllm_calls.MAP_NAMES]
+)
+
+
+def _objects(manager) -> dict:
+    coordinator = manager.coordinator
+    return {"manager": manager, "coordinator": coordinator,
+            "single_type": coordinator.single_type_managers[0], "pool": manager.block_pool,
+            "map": manager.block_pool.cached_block_hash_to_block}
+
+
+def _describe(value):
+    if hasattr(value, "block_id") and hasattr(value, "ref_cnt"):
+        return ("block", value.block_id)
+    if hasattr(value, "request_id") and hasattr(value, "block_hashes"):
+        return ("request", value.request_id)
+    if isinstance(value, (list, tuple)):
+        return tuple(_describe(v) for v in value)
+    if hasattr(value, "blocks") and hasattr(value, "get_block_ids"):
+        return ("KVCacheBlocks", value.get_block_ids())
+    if isinstance(value, (int, str, bytes, bool, type(None))):
+        return value
+    return type(value).__name__
+
+
+def _workload(owner: str, name: str, where: str) -> tuple:
+    """Requests sharing prefixes through a 40-block pool: lookups with hits, prefills,
+    decodes that fill blocks (caching), evictions, frees; with ``name`` patched on
+    ``owner``'s class or instance. Returns (calls, results, final state)."""
+    manager = _manager(40, enable_kv_cache_events=False)
+    objects = _objects(manager)
+    calls: list = []
+    target = objects[owner]
+    cls = type(target)
+    raw = inspect.getattr_static(cls, name, None)
+    while hasattr(raw, "__kvpool_wrapped__"):    # vLLM's function behind kvpool's binding
+        raw = raw.__kvpool_wrapped__
+    if raw is None:
+        pytest.skip(f"this vLLM's {cls.__name__} has no {name}")
+
+    def record(args, kwargs):
+        calls.append((name, _describe(args), _describe(tuple(sorted(kwargs.items())))))
+
+    patched_class = None
+    if where == "class":
+        # The same kind of attribute as vLLM's (a classmethod stays one).
+        if isinstance(raw, (classmethod, staticmethod)):
+            func = raw.__func__
+
+            def recording(*args, **kwargs):
+                record(args[1:] if isinstance(raw, classmethod) else args, kwargs)
+                return func(*args, **kwargs)
+
+            replacement = type(raw)(recording)
+        else:
+            def replacement(self, *args, **kwargs):
+                record(args, kwargs)
+                return raw(self, *args, **kwargs)
+        patched_class, old = cls, cls.__dict__.get(name, _MISSING)
+        setattr(cls, name, replacement)
+    else:
+        bound = raw.__get__(target, cls) if hasattr(raw, "__get__") else raw
+
+        def recording_bound(*args, **kwargs):
+            record(args, kwargs)
+            return bound(*args, **kwargs)
+
+        setattr(target, name, recording_bound)
+    results = []
+    try:
+        prompts = ([list(range(1, 65)) + [500 + i] * 9 for i in range(4)]
+                   + [list(range(900 + 100 * j, 990 + 100 * j)) for j in range(6)])
+        live = []
+        for i, prompt in enumerate(prompts * 2):
+            rid = f"r{i}"
+            req = make_request(rid, prompt, max_tokens=100, block_size=BLOCK_SIZE)
+            blocks, hit, *_ = manager.get_computed_blocks(req)
+            out = manager.allocate_slots(req, len(prompt) - hit, num_new_computed_tokens=hit,
+                                         new_computed_blocks=blocks)
+            results.append((rid, hit, None if out is None else out.get_block_ids()))
+            if out is None:
+                continue
+            req.num_computed_tokens = len(prompt)
+            from vllm.v1.request import RequestStatus
+
+            req.status = RequestStatus.RUNNING
+            req.append_output_token_ids(7)
+            live.append(req)
+            for _ in range(20):    # decode: fills a block (cached), may need new ones
+                out = manager.allocate_slots(req, 1)
+                results.append((rid, None if out is None else out.get_block_ids()))
+                if out is None:
+                    break
+                req.num_computed_tokens += 1
+                req.append_output_token_ids(7)
+            if len(live) > 3:
+                manager.free(live.pop(0))
+        single = objects["single_type"]
+        state = ({rid: [b.block_id for b in t] for rid, t in single.req_to_blocks.items()},
+                 dict(single.num_cached_block), manager.block_pool.get_num_free_blocks(),
+                 sorted(manager.block_pool.cached_block_hash_to_block._cache))
+    finally:
+        if patched_class is not None:
+            if old is _MISSING:
+                delattr(patched_class, name)
+            else:
+                setattr(patched_class, name, old)
+    return calls, results, state
+
+
+@pytest.mark.parametrize("where", ["class", "instance"])
+@pytest.mark.parametrize("owner,name", CASES, ids=[f"{o}-{n}" for o, n in CASES])
+def test_a_skipped_method_patched_after_install_is_called_as_vllm_calls_it(monkeypatch, owner, name, where):
+    from kvpool import _core
+
+    monkeypatch.setenv("KVPOOL_PYTHON_MANAGER", "1")
+    kvpool.install()
+    assert not _core.allocate_slots_fast_path_state()["enabled"]
+    vanilla = _workload(owner, name, where)
+    kvpool.uninstall()
+    monkeypatch.delenv("KVPOOL_PYTHON_MANAGER")
+    kvpool.install()
+    assert _core.allocate_slots_fast_path_state()["enabled"]
+    native = _workload(owner, name, where)
+    assert native[1:] == vanilla[1:]
+    assert native[0] == vanilla[0]
+
+
+#: Methods that vLLM's mirrored functions call through ``self.`` but that vLLM never calls
+#: for a call the native path takes, so the native path need not check them.
+_UNREACHED = {
+    "_remove_blocks_in_range": "full attention skips no token (get_num_skipped_tokens, "
+                               "checked, returns 0 there)",
+    "_apply_cow": "only for a request with a pending copy-on-write block, which the native "
+                  "path leaves to vLLM",
+    "_build_block_stored_event": "KV events only: the native caching runs with events off",
+    "_generate_event_extra_keys": "KV events only",
+    "_lookahead_token_ids": "KV events only",
+}
+
+
+def test_the_lists_cover_every_self_call_of_the_mirrored_functions():
+    """The lists this file patches are not the only source: every ``self.<method>(...)``
+    in the source of the vLLM functions the native path mirrors is in the list of its
+    owner (or unreachable for the native path's calls, with the reason above)."""
+    import ast
+    import textwrap
+
+    from kvpool.patches import manager_fast_path as fp
+
+    listed = {
+        "KVCacheManager": vllm_calls.MANAGER_NAMES + vllm_calls.LOOKUP_MANAGER_NAMES,
+        "UnitaryKVCacheCoordinator": vllm_calls.COORDINATOR_NAMES + vllm_calls.LOOKUP_COORDINATOR_NAMES,
+        "FullAttentionManager": vllm_calls.SINGLE_TYPE_NAMES + vllm_calls.LOOKUP_SINGLE_TYPE_NAMES,
+        "SingleTypeKVCacheManager": vllm_calls.SINGLE_TYPE_NAMES,
+        "BlockPool": vllm_calls.POOL_NAMES,
+    }
+    classes = fp._classes()
+    missing = []
+    for cls_name, name in fp.MIRRORED:
+        func = fp._vanilla(classes[cls_name], name) if cls_name in listed else None
+        if func is None:
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+                    and node.func.attr not in listed[cls_name] and node.func.attr not in _UNREACHED):
+                missing.append(f"{cls_name}.{name} calls self.{node.func.attr}")
+    assert not missing, missing
