@@ -12,7 +12,7 @@ py=.venv/bin/python
 
 echo "== kvpool tests"
 # The long differentials at 10^5 operations (10^6: docs/native-checks.md, docs/design.md).
-export KVPOOL_DIFF_OPS=100000 KVPOOL_POLICY_DIFF_OPS=100000
+export KVPOOL_DIFF_OPS=100000 KVPOOL_POLICY_DIFF_OPS=100000 KVPOOL_SCHED_DIFF_STEPS=100000
 "$py" -m pytest tests -q -p no:cacheprovider
 
 echo "== benchmarks (vLLM 0.33.0 vs kvpool, same run)"

@@ -194,6 +194,7 @@ def configure_allocate_slots_fast_path(
     map_names: Iterable[str] = (),
     cache_checks: Iterable[tuple[type, str, Any]] = (),
     module_functions: Iterable[tuple[dict[str, Any], str, Any]] = (),
+    step_globals: Iterable[tuple[dict[str, Any], str, Any]] = (),
     native_cache: bool = False,
     check_prefix_cacheable: bool = True,
     vanilla_cache_blocks: Any = None,

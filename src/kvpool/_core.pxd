@@ -51,6 +51,7 @@ cdef class FreeKVCacheBlockQueue:
     # The last popleft_n: its slots, the insertion count after it, and a counter of
     # popleft_n calls (policy.undo_pop: the undo of vLLM's own allocation loop).
     cdef vector[int32_t] _last_pop
+    cdef vector[int32_t] _last_pop_front   # with an LRU window: the LRU front before it
     cdef uint64_t _last_pop_insertions
     cdef uint64_t _pop_seq
     # The contiguous order's opt-in LRU window (blocks; 0: vLLM's exact LRU).

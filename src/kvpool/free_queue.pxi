@@ -278,6 +278,7 @@ cdef class FreeKVCacheBlockQueue:
         slots.resize(n)
         refs.resize(n)
         self._last_pop.reserve(n)  # (its record below then allocates nothing)
+        self._last_pop_front.clear()
         if self._list.order() == ORDER_CONTIGUOUS:
             # The policy's choice (for the table policy.set_plan named, if any).
             hint, owner, want = self._plan_hint, self._plan_owner, self._plan_want
@@ -286,6 +287,7 @@ cdef class FreeKVCacheBlockQueue:
             if self._lru_window > 0:  # (at most the free blocks: the window is clamped)
                 lru_front.resize(min(<Py_ssize_t>n + self._lru_window, <Py_ssize_t>self._list.size()))
                 nfront = self._list.lru_front_slots(<int32_t>lru_front.size(), lru_front.data())
+                self._last_pop_front.reserve(nfront)  # (recorded below, allocating nothing)
             self._last_take_uncached = self._list.take(n, hint, owner, want, slots.data(),
                                                       self._lru_window)
         else:
@@ -317,6 +319,8 @@ cdef class FreeKVCacheBlockQueue:
         self._last_pop.resize(n)  # within the reserved capacity
         for i in range(n):
             self._last_pop[i] = slots[i]
+        for i in range(nfront):
+            self._last_pop_front.push_back(lru_front[i])   # (within the reserved capacity)
         self._last_pop_insertions = self._list.insertions()
         self._pop_seq += 1
         return out

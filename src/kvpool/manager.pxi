@@ -55,6 +55,7 @@ cdef class _AllocateSlotsFastPath:
     cdef public tuple cache_checks        # ((cls, name, function), ...) of the pool and map
     cdef public tuple map_names           # map methods that must not be set on the instance
     cdef public tuple module_functions    # ((namespace dict, name, function), ...)
+    cdef public tuple step_globals        # the same, read by every native call's arithmetic
     cdef public bint native_cache, check_prefix_cacheable
     cdef public Py_ssize_t native_cache_calls, vllm_cache_calls, native_evictions
     # The native get_computed_blocks (lookup.pxi):
@@ -89,6 +90,7 @@ cdef class _AllocateSlotsFastPath:
         self.map_names = ()
         self.cache_checks = ()
         self.module_functions = ()
+        self.step_globals = ()
         self.tags[0] = self.tags[1] = self.tags[2] = self.tags[3] = 0
         self.no_prefix_cache_cls = None
         self.pool_tag = 0
@@ -99,6 +101,9 @@ cdef class _AllocateSlotsFastPath:
         function (checked through getattr after any change to them; a classmethod by
         the function it binds)."""
         cdef object no_cache = self.no_prefix_cache_cls
+        for d, name, func in self.step_globals:     # (cdiv of vLLM's modules: a dict get each)
+            if (<dict>d).get(name) is not func:
+                return False
         if (self.tags[0] != 0 and kvpool_type_tag(<PyObject*>self.manager_cls) == self.tags[0]
                 and kvpool_type_tag(<PyObject*>self.coordinator_cls) == self.tags[1]
                 and kvpool_type_tag(<PyObject*>self.full_attention_cls) == self.tags[2]
@@ -168,7 +173,7 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
                                        single_type_names, manager_hooks=False,
                                        pool_cls=None, hash_map_cls=None, pool_names=(),
                                        map_names=(), cache_checks=(),
-                                       module_functions=(), native_cache=False,
+                                       module_functions=(), step_globals=(), native_cache=False,
                                        check_prefix_cacheable=True, vanilla_cache_blocks=None,
                                        no_prefix_cache_cls=None):
     """Arm :func:`kv_cache_manager_allocate_slots` (called by
@@ -180,6 +185,8 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
     manager / pool instances. ``native_cache``: the fast path's ``cache_blocks`` runs
     natively for a pool of type ``pool_cls`` whose map is a ``hash_map_cls``, while
     ``cache_checks`` hold, each ``(namespace, name, function)`` of ``module_functions``
+    (``step_globals``: the same for every native call: what the mirrored methods'
+    arithmetic calls from their modules' namespaces)
     holds, and ``pool_names`` / ``map_names`` are not set on the pool / its map
     (``check_prefix_cacheable``: the release's ``SingleTypeKVCacheManager.cache_blocks``
     returns early for a spec that is not ``prefix_cacheable``, as 0.33.0's does).
@@ -206,6 +213,9 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
     _fast_path.cache_checks = tuple(cache_checks)
     _fast_path.map_names = tuple(map_names)
     _fast_path.module_functions = tuple(module_functions)
+    if not all(type(d) is dict for d, _, _ in step_globals):
+        raise TypeError("step_globals: (namespace dict, name, function) triples")
+    _fast_path.step_globals = tuple(step_globals)
     _fast_path.native_cache = (bool(native_cache) and pool_cls is not None
                                and hash_map_cls is not None
                                and all(type(d) is dict for d, _, _ in module_functions))

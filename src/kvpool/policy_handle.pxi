@@ -154,7 +154,8 @@ cdef class FreeQueuePolicy:
         ``seq``-th (:attr:`pop_seq`; a nested ``popleft_n`` from a callback makes the
         record someone else's, and nothing is done). A popped block still off the free
         list goes back, at the front in its old order (uncached ones at their sorted
-        places), when its ``ref_cnt`` is 0, or 1 and nothing was freed into the queue
+        places; with an LRU window the LRU front as it was, when every block came back
+        and nothing was freed since), when its ``ref_cnt`` is 0, or 1 and nothing was freed into the queue
         since (then the 1 is the loop's). Evictions already done stay done, as in the
         native loop's undo. Never raises (it runs while an exception propagates).
 
@@ -190,6 +191,12 @@ cdef class FreeQueuePolicy:
             back.push_back(slot)
         if back.size():
             queue._list.reinsert_front(back.data(), <int32_t>back.size())
+            if (back.size() == queue._last_pop.size() and queue._last_pop_front.size()
+                    and not changed and queue._list.order() == ORDER_CONTIGUOUS):
+                # The LRU window took from inside the LRU front: its old order, as the
+                # native loop's undo restores it.
+                queue._list.restore_lru_front(queue._last_pop_front.data(),
+                                              <int32_t>queue._last_pop_front.size())
         _flush(&rb)
         return back.size()
 

@@ -13,6 +13,7 @@ ids for blocks), the returned tables and the final state must be the same.
 from __future__ import annotations
 
 import inspect
+import sys
 
 import pytest
 
@@ -59,6 +60,19 @@ def _workload(owner: str, name: str, where: str) -> tuple:
     manager = _manager(40, enable_kv_cache_events=False)
     objects = _objects(manager)
     calls: list = []
+    if where == "module":
+        namespace = sys.modules[owner].__dict__
+        function = namespace[name]
+
+        def recording_global(*args, **kwargs):
+            calls.append((name, _describe(args), _describe(tuple(sorted(kwargs.items())))))
+            return function(*args, **kwargs)
+
+        namespace[name] = recording_global
+        try:
+            return _run_workload(manager, objects, [])[1:] + (calls,)
+        finally:
+            namespace[name] = function
     target = objects[owner]
     cls = type(target)
     raw = inspect.getattr_static(cls, name, None)
@@ -71,7 +85,10 @@ def _workload(owner: str, name: str, where: str) -> tuple:
         calls.append((name, _describe(args), _describe(tuple(sorted(kwargs.items())))))
 
     patched_class = None
-    if where == "class":
+    if where == "module":
+        # owner: a vLLM module's namespace (a function its mirrored methods call)
+        pass
+    elif where == "class":
         # The same kind of attribute as vLLM's (a classmethod stays one).
         if isinstance(raw, (classmethod, staticmethod)):
             func = raw.__func__
@@ -95,8 +112,21 @@ def _workload(owner: str, name: str, where: str) -> tuple:
             return bound(*args, **kwargs)
 
         setattr(target, name, recording_bound)
-    results = []
     try:
+        return (calls,) + _run_workload(manager, objects, calls)[1:]
+    finally:
+        if patched_class is not None:
+            if old is _MISSING:
+                delattr(patched_class, name)
+            else:
+                setattr(patched_class, name, old)
+
+
+def _run_workload(manager, objects, calls) -> tuple:
+    from vllm.v1.request import RequestStatus
+
+    results = []
+    if True:
         prompts = ([list(range(1, 65)) + [500 + i] * 9 for i in range(4)]
                    + [list(range(900 + 100 * j, 990 + 100 * j)) for j in range(6)])
         live = []
@@ -110,8 +140,6 @@ def _workload(owner: str, name: str, where: str) -> tuple:
             if out is None:
                 continue
             req.num_computed_tokens = len(prompt)
-            from vllm.v1.request import RequestStatus
-
             req.status = RequestStatus.RUNNING
             req.append_output_token_ids(7)
             live.append(req)
@@ -128,12 +156,6 @@ def _workload(owner: str, name: str, where: str) -> tuple:
         state = ({rid: [b.block_id for b in t] for rid, t in single.req_to_blocks.items()},
                  dict(single.num_cached_block), manager.block_pool.get_num_free_blocks(),
                  sorted(manager.block_pool.cached_block_hash_to_block._cache))
-    finally:
-        if patched_class is not None:
-            if old is _MISSING:
-                delattr(patched_class, name)
-            else:
-                setattr(patched_class, name, old)
     return calls, results, state
 
 
@@ -197,3 +219,31 @@ def test_the_lists_cover_every_self_call_of_the_mirrored_functions():
                     and node.func.attr not in listed[cls_name] and node.func.attr not in _UNREACHED):
                 missing.append(f"{cls_name}.{name} calls self.{node.func.attr}")
     assert not missing, missing
+
+
+def _global_cases():
+    from kvpool.patches import manager_fast_path as fp
+
+    kvpool.install()
+    try:
+        return [(d["__name__"], n) for d, n, _ in fp.mirrored_globals(fp._classes())]
+    finally:
+        kvpool.uninstall()
+
+
+@pytest.mark.parametrize("module,name", _global_cases())
+def test_a_module_function_patched_after_install_is_called_as_vllm_calls_it(monkeypatch, module, name):
+    """The functions the mirrored methods read from their modules' namespaces
+    (``manager_fast_path.mirrored_globals``: ``cdiv``, ``resolve_block_hashes``, ...)."""
+    monkeypatch.setenv("KVPOOL_PYTHON_MANAGER", "1")
+    kvpool.install()
+    vanilla = _workload(module, name, "module")
+    kvpool.uninstall()
+    monkeypatch.delenv("KVPOOL_PYTHON_MANAGER")
+    kvpool.install()
+    native = _workload(module, name, "module")
+    # kv_cache_manager.cdiv: allocate_slots uses it only for a prefix hit with retained
+    # hit groups (new_computed_blocks given), which the native path leaves to vLLM.
+    assert vanilla[-1] or (module, name) == ("vllm.v1.core.kv_cache_manager", "cdiv"), \
+        f"vLLM's manager did not call {module}.{name}: the workload misses it"
+    assert native == vanilla

@@ -115,6 +115,7 @@ def test_a_subclass_that_skips_init_runs_like_it_does_on_vllm():
     vanilla = _scheduler_with(VllmElastic)
     want = _drive(vanilla, PROMPTS)
     want_free = vanilla.kv_cache_manager.block_pool.get_num_free_blocks()
+    del vanilla   # (install() refuses while a pool of vLLM's blocks is alive)
 
     kvpool.install()
     try:
@@ -355,6 +356,7 @@ def test_blocks_pinned_across_a_queue_rebuild_are_unpinned_like_vllm():
                            else [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
                            sorted(pool._reuse_watchers), pool.get_num_free_blocks())
         finally:
+            pool = held = None   # (install() refuses while a pool of vLLM's blocks is alive)
             if name == "kvpool":
                 kvpool.uninstall()
     assert pools["kvpool"] == pools["vllm"]

@@ -85,13 +85,13 @@ def checked_declarations() -> dict[str, str]:
     """The same mapping, as capi_checks.h states it."""
     text = CHECKS.read_text()
     found: dict[str, str] = {}
-    for m in re.finditer(r"^KVPOOL_CHECK_FUNCTION\((\w+), ([^,]+), \(([^)]*)\)\);", text, re.M):
+    for m in re.finditer(r"^CAPI_CHECK_FUNCTION\((\w+), ([^,]+), \(([^)]*)\)\);", text, re.M):
         found[m.group(1)] = f"{m.group(2).strip()}({m.group(3).strip()})"
-    for m in re.finditer(r"^KVPOOL_CHECK_CALL\((\w+), ([^,]+), ([^)]+)\);", text, re.M):
+    for m in re.finditer(r"^CAPI_CHECK_CALL\((\w+), ([^,]+), ([^)]+)\);", text, re.M):
         found[m.group(1)] = f"{m.group(2).strip()}({m.group(3).strip()})"
-    for m in re.finditer(r"^KVPOOL_CHECK_CALL0\((\w+), ([^)]+)\);", text, re.M):
+    for m in re.finditer(r"^CAPI_CHECK_CALL0\((\w+), ([^)]+)\);", text, re.M):
         found[m.group(1)] = f"{m.group(2).strip()}()"
-    for m in re.finditer(r"^KVPOOL_CHECK_TYPE\(([A-Z_][A-Z0-9_]*), (\w+)\);", text, re.M):
+    for m in re.finditer(r"^CAPI_CHECK_TYPE\(([A-Z_][A-Z0-9_]*), (\w+)\);", text, re.M):
         found[m.group(1)] = m.group(2)
     return found
 
@@ -128,11 +128,11 @@ def test_pylong_as_long_long_is_cpythons_own_declaration():
 @pytest.mark.parametrize("line, fails", [
     ("", False),
     # The old hand-written declaration: a 32-bit result.
-    ("KVPOOL_CHECK_FUNCTION(PyLong_AsLongLongAndOverflow, int, (PyObject*, int*));", True),
-    ("KVPOOL_CHECK_FUNCTION(PyLong_AsLongLongAndOverflow, long long, (PyObject*, int*));", False),
-    ("KVPOOL_CHECK_FUNCTION(PyLong_FromLong, PyObject*, (int));", True),
-    ("KVPOOL_CHECK_CALL(Py_SIZE, int, PyObject*);", True),
-    ("KVPOOL_CHECK_TYPE(T_OBJECT_EX, long);", True),
+    ("CAPI_CHECK_FUNCTION(PyLong_AsLongLongAndOverflow, int, (PyObject*, int*));", True),
+    ("CAPI_CHECK_FUNCTION(PyLong_AsLongLongAndOverflow, long long, (PyObject*, int*));", False),
+    ("CAPI_CHECK_FUNCTION(PyLong_FromLong, PyObject*, (int));", True),
+    ("CAPI_CHECK_CALL(Py_SIZE, int, PyObject*);", True),
+    ("CAPI_CHECK_TYPE(T_OBJECT_EX, long);", True),
 ])
 def test_a_wrong_declaration_fails_the_compile(tmp_path, line, fails):
     source = tmp_path / "check.cpp"

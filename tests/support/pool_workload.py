@@ -380,7 +380,9 @@ class PoolWorkload:
             def hook(block):
                 raise RuntimeError("hook")
 
-            pool._maybe_evict_cached_block = hook  # instance attribute: the native loop calls it
+            # An instance attribute: kvpool runs vLLM's loop for it (kvpool.vllm_calls),
+            # which calls the hook for every block, and undoes the pop when it raises.
+            pool._maybe_evict_cached_block = hook
             try:
                 pool.get_new_blocks(n)
             except RuntimeError:

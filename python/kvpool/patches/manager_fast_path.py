@@ -51,6 +51,7 @@ import hashlib
 import inspect
 import logging
 import textwrap
+import types
 from typing import Any
 
 from kvpool import allocation, envs
@@ -281,6 +282,30 @@ def _no_prefix_cache_coordinator(classes: dict[str, Any]):
     return cls
 
 
+#: Module functions the mirrored methods call only with KV events on (the native caching
+#: runs with events off) or that the native path reads itself on every call.
+_EVENTS_ONLY_GLOBALS = ("maybe_convert_block_hash", "get_block_hash", "get_group_id")
+
+
+def mirrored_globals(classes: dict[str, Any]) -> tuple[tuple[dict, str, Any], ...]:
+    """``(namespace dict, name, function)`` of every plain function that a mirrored
+    method reads from its module's namespace (vLLM's source, ``inspect.getclosurevars``):
+    ``cdiv``, ``resolve_block_hashes``, ...; patched there after install, the native path
+    hands its calls to vLLM's code. Events-only helpers are left out."""
+    found: dict[tuple[int, str], tuple[dict, str, Any]] = {}
+    for c, n in MIRRORED:
+        if c in _MODULES:
+            continue
+        func = _vanilla(classes[c], n)
+        func = getattr(func, "__func__", func)
+        if not isinstance(func, types.FunctionType):
+            continue
+        for name, value in inspect.getclosurevars(func).globals.items():
+            if isinstance(value, types.FunctionType) and name not in _EVENTS_ONLY_GLOBALS:
+                found[(id(func.__globals__), name)] = (func.__globals__, name, value)
+    return tuple(found.values())
+
+
 #: MIRRORED's entries that are functions of a vLLM module's namespace.
 _MODULES = ("block_pool", "kv_cache_coordinator", "single_type_kv_cache_manager")
 
@@ -316,8 +341,7 @@ def apply(patcher) -> None:
     as ``KVCacheManager.get_computed_blocks`` when the installed vLLM's mirrored
     functions are a known release's and none is wrapped by other code (doing what the
     policy's manager hooks do, if it has them), and ``kv_cache_blocks_get_block_ids``
-    when ``get_block_ids`` is (called by ``kvpool.install()``; undone by
-    ``uninstall()``)."""
+    when ``get_block_ids`` is (by ``kvpool.install()``; undone by ``uninstall()``)."""
     from kvpool import _core
 
     _core.disable_allocate_slots_fast_path()
@@ -382,6 +406,7 @@ def apply(patcher) -> None:
         vanilla_cache_blocks=vanilla_cache_blocks,
         module_functions=tuple((vars(classes[c]), n, getattr(classes[c], n)) for c, n in MIRRORED
                                if c in _MODULES and hasattr(classes[c], n)),
+        step_globals=mirrored_globals(classes),
     )
     fast = _core.kv_cache_manager_allocate_slots
     fast.__wrapped__ = vanilla          # inspect.signature() shows vLLM's
