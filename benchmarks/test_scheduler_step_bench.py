@@ -108,9 +108,13 @@ class _Serving:
 
 
 def _set_mode(mode: str) -> None:
+    from kvpool import patching
+
     kvpool.uninstall()
     if MODES[mode] is not None:
-        kvpool.install(allocation=MODES[mode])
+        # Every mode's stream lives on, each stepped only in its own mode (as in the
+        # replay): vanilla's pool is never used while kvpool is installed.
+        patching.install(allocation=MODES[mode], allow_vllm_built_pools=True)
 
 
 class _Grpo:

@@ -306,6 +306,17 @@ def mirrored_globals(classes: dict[str, Any]) -> tuple[tuple[dict, str, Any], ..
     return tuple(found.values())
 
 
+def _module_checks(classes: dict[str, Any]) -> tuple[tuple, tuple]:
+    """``(module_functions, step_globals)`` for the native path: MIRRORED's module
+    functions (checked by the native caching, eviction and lookup), and every function
+    the mirrored methods read from their modules (:func:`mirrored_globals`), checked by
+    every native call: vLLM calls some on every step even where nothing is cached
+    (``replay_boundaries`` through ``cache_blocks``)."""
+    module_functions = tuple((vars(classes[c]), n, getattr(classes[c], n)) for c, n in MIRRORED
+                             if c in _MODULES and hasattr(classes[c], n))
+    return module_functions, mirrored_globals(classes)
+
+
 #: MIRRORED's entries that are functions of a vLLM module's namespace.
 _MODULES = ("block_pool", "kv_cache_coordinator", "single_type_kv_cache_manager")
 
@@ -379,6 +390,7 @@ def apply(patcher) -> None:
         class_checks += [(no_prefix_cache_cls, n, _bound_function(no_prefix_cache_cls, n))
                          for n in _COORDINATOR_NAMES if hasattr(no_prefix_cache_cls, n)]
     vanilla = manager_cls.allocate_slots
+    module_functions, step_globals = _module_checks(classes)
     _core.configure_allocate_slots_fast_path(
         no_prefix_cache_cls=no_prefix_cache_cls,
         manager_cls=manager_cls,
@@ -404,9 +416,8 @@ def apply(patcher) -> None:
         # is not prefix_cacheable; 0.30.0's has no such test.
         check_prefix_cacheable=release != "0.30.0",
         vanilla_cache_blocks=vanilla_cache_blocks,
-        module_functions=tuple((vars(classes[c]), n, getattr(classes[c], n)) for c, n in MIRRORED
-                               if c in _MODULES and hasattr(classes[c], n)),
-        step_globals=mirrored_globals(classes),
+        module_functions=module_functions,
+        step_globals=step_globals,
     )
     fast = _core.kv_cache_manager_allocate_slots
     fast.__wrapped__ = vanilla          # inspect.signature() shows vLLM's
