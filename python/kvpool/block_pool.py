@@ -21,7 +21,6 @@ queue runs vLLM's own methods unchanged; kvpool's additions on it
 
 from __future__ import annotations
 
-from itertools import repeat
 from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared
@@ -56,9 +55,8 @@ VllmBlockPool = _vllm_block_pool.BlockPool
 
 # kvpool's loops call the eviction hook only for hashed blocks (vLLM's, for every block):
 # what vLLM's get_new_blocks / evict_blocks call through self. patched -> vLLM's loop.
-_GET_NEW_BLOCKS, _EVICT_BLOCKS = POOL_SELF_CALLS["get_new_blocks"], POOL_SELF_CALLS["evict_blocks"]
-_GET_NEW_BLOCKS_CALLS = VllmCallGuard(_GET_NEW_BLOCKS, tuple(map(getattr, repeat(VllmBlockPool), _GET_NEW_BLOCKS)))
-_EVICT_BLOCKS_CALLS = VllmCallGuard(_EVICT_BLOCKS, tuple(map(getattr, repeat(VllmBlockPool), _EVICT_BLOCKS)))
+_GET_NEW_BLOCKS_CALLS = VllmCallGuard(VllmBlockPool, POOL_SELF_CALLS["get_new_blocks"])
+_EVICT_BLOCKS_CALLS = VllmCallGuard(VllmBlockPool, POOL_SELF_CALLS["evict_blocks"])
 VllmBlockHashToBlockMap = _vllm_block_pool.BlockHashToBlockMap
 
 

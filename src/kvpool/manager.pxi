@@ -325,16 +325,18 @@ cdef class VllmCallGuard:
     set on the instance (``_emit_block_removed_events`` may be a list's ``extend``,
     which the native eviction honours). kvpool's native loop calls them less often
     than vLLM's (or not at all), so an operation whose guard fails runs vLLM's loop.
-    The names are ``kvpool.vllm_calls.POOL_SELF_CALLS``'s."""
+    The names are ``kvpool.vllm_calls.POOL_SELF_CALLS``'s; ``vllm_cls``: vLLM's class,
+    whose functions of those names are vLLM's (read once, here)."""
     cdef readonly tuple names, functions
     cdef object cls
     cdef unsigned int tag
 
-    def __init__(self, tuple names, tuple functions):
-        if len(names) != len(functions):
-            raise ValueError("one function per name")
+    def __init__(self, vllm_cls, tuple names):
+        cdef list functions = []
+        for name in names:
+            functions.append(getattr(vllm_cls, <str>name))
         self.names = names
-        self.functions = functions
+        self.functions = tuple(functions)
         self.cls = None
         self.tag = 0
 
