@@ -66,30 +66,22 @@ def is_installed() -> bool:
     return bool(mod is not None and mod.is_installed())
 
 
+#: Public names resolved lazily (``import kvpool`` must work without vLLM and cost little
+#: in every vLLM process): name -> the module that defines it.
+_LAZY = {
+    **dict.fromkeys(_CORE_NAMES, "kvpool._core"),
+    "BlockPool": "kvpool.block_pool",
+    # every public exception is defined in kvpool.errors (the extension's in errors.pxi)
+    **dict.fromkeys(("KvpoolError", "NotAKvpoolPoolError", "PoolsBuiltBeforeInstallError",
+                     "LazyOffloadOrderError", "InvalidSettingError",
+                     "UnsupportedVLLMVersionError"), "kvpool.errors"),
+}
+
+
 def __getattr__(name: str):
-    # Lazy: `import kvpool` must work without vLLM (and cheaply in every vLLM process).
-    if name in _CORE_NAMES:
-        from kvpool import _core
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvpool' has no attribute {name!r}")
+    import importlib
 
-        return getattr(_core, name)
-    if name == "BlockPool":
-        from kvpool.block_pool import BlockPool
-
-        return BlockPool
-    if name in ("KvpoolError", "NotAKvpoolPoolError", "PoolsBuiltBeforeInstallError"):
-        from kvpool import errors
-
-        return getattr(errors, name)
-    if name == "LazyOffloadOrderError":
-        from kvpool.patches.lazy_offload import LazyOffloadOrderError
-
-        return LazyOffloadOrderError
-    if name == "InvalidSettingError":
-        from kvpool.envs import InvalidSettingError
-
-        return InvalidSettingError
-    if name == "UnsupportedVLLMVersionError":
-        from kvpool.vllm_compat import UnsupportedVLLMVersionError
-
-        return UnsupportedVLLMVersionError
-    raise AttributeError(f"module 'kvpool' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

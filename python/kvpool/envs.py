@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.errors import KvpoolError
+from kvpool.errors import InvalidSettingError  # (defined there, re-exported here)
 
 #: Values that turn a switch on / off (compared after ``strip().lower()``).
 TRUE_VALUES: tuple[str, ...] = ("1", "true", "yes", "on")
@@ -56,22 +56,6 @@ VENV = "KVPOOL_VENV"
 
 #: The allocation policies ``KVPOOL_ALLOCATION`` (and ``install(allocation=...)``) accept.
 ALLOCATION_POLICIES: tuple[str, ...] = ("vllm", "contiguous")
-
-
-class InvalidSettingError(KvpoolError, ValueError):
-    """A ``KVPOOL_*`` variable (or the ``install()`` argument it stands for) has a value
-    kvpool does not accept. The message names the variable, the value and the accepted
-    values.
-
-    Attributes:
-        name: the variable (``"KVPOOL_ALLOCATION"``) or argument (``"allocation"``).
-        value: the value as given.
-        accepted: human-readable accepted values.
-    """
-
-    def __init__(self, name: str, value: Any, accepted: str):
-        self.name, self.value, self.accepted = name, value, accepted
-        super().__init__(f"{name}={value!r} is not a valid setting; accepted: {accepted}")
 
 
 @dataclass(frozen=True)

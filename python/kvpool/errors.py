@@ -1,4 +1,7 @@
-"""kvpool's exception base (the bottom layer: imports nothing).
+"""Every public exception kvpool defines, in one place (the bottom layer: imports
+nothing); the extension's own, ``BlockStateError`` and ``BlockIdOutOfRangeError``, are in
+``src/kvpool/errors.pxi``. The modules that raise them re-export them under their old
+names (``kvpool.envs.InvalidSettingError``, ...).
 
 Every exception kvpool defines derives from :class:`KvpoolError`, and also from the
 built-in exception that vLLM's own code raises in the same situation, so both
@@ -24,4 +27,65 @@ class PoolsBuiltBeforeInstallError(KvpoolError, RuntimeError):
     engine, or let vLLM load kvpool's plugin, which does so in every vLLM process."""
 
 
-__all__ = ["KvpoolError", "NotAKvpoolPoolError", "PoolsBuiltBeforeInstallError"]
+class UnsupportedVLLMVersionError(KvpoolError, RuntimeError):
+    """The installed vLLM is not one kvpool has been validated against."""
+
+
+class MissingPatchTargetError(UnsupportedVLLMVersionError):
+    """The installed vLLM lacks a class or method that kvpool's patch table extends
+    (a release outside the supported list). ``install()`` skips that patch module on a
+    forced untested release and raises this on a supported one."""
+
+
+class InvalidSettingError(KvpoolError, ValueError):
+    """A ``KVPOOL_*`` variable (or the ``install()`` argument it stands for) has a value
+    kvpool does not accept. The message names the variable, the value and the accepted
+    values.
+
+    Attributes:
+        name: the variable (``"KVPOOL_ALLOCATION"``) or argument (``"allocation"``).
+        value: the value as given.
+        accepted: human-readable accepted values.
+    """
+
+    def __init__(self, name: str, value: object, accepted: str):
+        self.name, self.value, self.accepted = name, value, accepted
+        super().__init__(f"{name}={value!r} is not a valid setting; accepted: {accepted}")
+
+
+class LazyOffloadOrderError(KvpoolError, ValueError):
+    """vLLM's lazy CPU offloader was bound to a kvpool pool whose allocation policy
+    does not keep vLLM's free-queue order (it would get other stores and fewer CPU
+    hits than on vLLM's pool)."""
+
+
+class LayoutError(KvpoolError, ValueError):
+    """A layout cannot provide the blocks a batch needs (pool too small, unknown name)."""
+
+
+class ModeUnavailable(KvpoolError, RuntimeError):
+    """A requested mode cannot run here (kvpool or its built extension not importable,
+    no reorder API)."""
+
+
+class SdistError(KvpoolError, RuntimeError):
+    """The sdist could not be found, downloaded or verified."""
+
+
+class KvpoolInstallError(KvpoolError, RuntimeError):
+    """kvpool could not be installed into vLLM for the conformance run."""
+
+
+__all__ = [
+    "InvalidSettingError",
+    "KvpoolError",
+    "KvpoolInstallError",
+    "LayoutError",
+    "LazyOffloadOrderError",
+    "MissingPatchTargetError",
+    "ModeUnavailable",
+    "NotAKvpoolPoolError",
+    "PoolsBuiltBeforeInstallError",
+    "SdistError",
+    "UnsupportedVLLMVersionError",
+]

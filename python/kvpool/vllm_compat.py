@@ -14,7 +14,7 @@ from importlib import metadata
 
 from kvpool import envs
 from kvpool._version import __version__
-from kvpool.errors import KvpoolError
+from kvpool.errors import MissingPatchTargetError, UnsupportedVLLMVersionError  # (defined there, re-exported here)
 
 
 @dataclass(frozen=True)
@@ -77,16 +77,6 @@ MODULES_BINDING_BLOCK_CLASSES: tuple[str, ...] = (
     "vllm.v1.hisparse.block_pool",
     "vllm.v1.simple_kv_offload.manager",
 )
-
-
-class UnsupportedVLLMVersionError(KvpoolError, RuntimeError):
-    """The installed vLLM is not one kvpool has been validated against."""
-
-
-class MissingPatchTargetError(UnsupportedVLLMVersionError):
-    """The installed vLLM lacks a class or method that kvpool's patch table extends
-    (a release outside the supported list). ``install()`` skips that patch module on a
-    forced untested release and raises this on a supported one."""
 
 
 def installed_vllm_version() -> str | None:

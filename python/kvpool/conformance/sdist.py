@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpool import envs
-from kvpool.errors import KvpoolError
+from kvpool.errors import SdistError  # (defined there, re-exported here)
 
 JSON_ACCEPT = "application/vnd.pypi.simple.v1+json"
 #: Accept header preferring PEP 691 JSON but taking PEP 503 HTML from older mirrors.
@@ -37,10 +37,6 @@ HTTP_TIMEOUT_S = 120
 #: only) and vLLM's pyproject.toml, whose ``[tool.pytest.ini_options]`` registers the
 #: markers the tests use.
 EXTRACT_MEMBERS = ("tests/", "pyproject.toml")
-
-
-class SdistError(KvpoolError, RuntimeError):
-    """The sdist could not be found, downloaded or verified."""
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,9 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 
-from kvpool.errors import KvpoolError
+from kvpool.errors import LayoutError  # (defined there, re-exported here)
 
 BASE_LAYOUTS = ("canonical", "descending", "random")
-
-
-class LayoutError(KvpoolError, ValueError):
-    """A layout cannot provide the blocks a batch needs (pool too small, unknown name)."""
 
 
 def _check(num_requests: int, blocks_per_request: int, num_blocks: int) -> int:

@@ -29,13 +29,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from kvpool.errors import KvpoolError
-
-
-class LazyOffloadOrderError(KvpoolError, ValueError):
-    """vLLM's lazy CPU offloader was bound to a kvpool pool whose allocation policy
-    does not keep vLLM's free-queue order (it would get other stores and fewer CPU
-    hits than on vLLM's pool)."""
+from kvpool.errors import LazyOffloadOrderError  # (defined there, re-exported here)
 
 
 def check_lazy_offload_pool(pool: Any) -> None:

@@ -23,12 +23,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvpool.errors import KvpoolError
-
-
-class ModeUnavailable(KvpoolError, RuntimeError):
-    """A requested mode cannot run here (kvpool or its built extension not importable,
-    no reorder API)."""
+from kvpool.errors import ModeUnavailable  # (defined there, re-exported here)
 
 
 @dataclass(frozen=True)
