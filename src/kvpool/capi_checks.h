@@ -86,5 +86,8 @@ CAPI_CHECK_FUNCTION(kvpool_refbatch_flush, void, (kvpool_refbatch*));
 CAPI_CHECK_CALL(Py_INCREF, void, PyObject*);
 CAPI_CHECK_CALL(Py_DECREF, void, PyObject*);
 
+/* manager.pxi, cdef extern from "Python.h" */
+CAPI_CHECK_FUNCTION(PyDict_GetItemWithError, PyObject*, (PyObject*, PyObject*));
+
 /* manager.pxi, cdef extern from * (its verbatim block) */
 CAPI_CHECK_FUNCTION(kvpool_type_tag, unsigned int, (PyObject*));

@@ -54,8 +54,11 @@ cdef class _AllocateSlotsFastPath:
     cdef public tuple pool_names          # pool methods that must not be set on the instance
     cdef public tuple cache_checks        # ((cls, name, function), ...) of the pool and map
     cdef public tuple map_names           # map methods that must not be set on the instance
-    cdef public tuple module_functions    # ((namespace dict, name, function), ...)
-    cdef public tuple step_globals        # the same, read by every native call's arithmetic
+    cdef readonly tuple module_functions  # ((namespace dict, name, function), ...)
+    cdef readonly tuple step_globals      # the same, read by every native call's arithmetic
+    # Both as C arrays of borrowed pointers (the tuples above own them): checked with one
+    # PyDict_GetItemWithError each, no tuple unpacking (this runs in every native call).
+    cdef vector[PyObject*] module_checks, step_checks   # dict, name, function, dict, ...
     cdef public bint native_cache, check_prefix_cacheable
     cdef public Py_ssize_t native_cache_calls, vllm_cache_calls, native_evictions
     # The native get_computed_blocks (lookup.pxi):
@@ -101,9 +104,8 @@ cdef class _AllocateSlotsFastPath:
         function (checked through getattr after any change to them; a classmethod by
         the function it binds)."""
         cdef object no_cache = self.no_prefix_cache_cls
-        for d, name, func in self.step_globals:     # (cdiv of vLLM's modules: a dict get each)
-            if (<dict>d).get(name) is not func:
-                return False
+        if not _namespace_entries_are(self.step_checks):
+            return False
         if (self.tags[0] != 0 and kvpool_type_tag(<PyObject*>self.manager_cls) == self.tags[0]
                 and kvpool_type_tag(<PyObject*>self.coordinator_cls) == self.tags[1]
                 and kvpool_type_tag(<PyObject*>self.full_attention_cls) == self.tags[2]
@@ -123,9 +125,8 @@ cdef class _AllocateSlotsFastPath:
         """The same for what the native cache_blocks and eviction skip: kvpool's pool
         class (and vLLM's, its base), kvpool's hash map class, and the functions of
         vLLM's module namespaces that vLLM's caching calls."""
-        for d, name, func in self.module_functions:
-            if (<dict>d).get(name) is not func:
-                return False
+        if not _namespace_entries_are(self.module_checks):
+            return False
         if (self.pool_tag != 0 and kvpool_type_tag(<PyObject*>self.pool_cls) == self.pool_tag
                 and kvpool_type_tag(<PyObject*>self.hash_map_cls) == self.map_tag):
             return True
@@ -143,6 +144,38 @@ cdef bint _resolve_to(tuple checks):
         if attr is not func and getattr(attr, "__func__", None) is not func:
             return False
     return True
+
+
+cdef extern from "Python.h":
+    PyObject* _PyDict_GetItemWithError "PyDict_GetItemWithError"(PyObject* d, PyObject* key)
+
+
+cdef inline bint _namespace_entries_are(vector[PyObject*]& checks):
+    """Each (dict, name, function) triple of ``checks``: ``dict[name] is function``. A
+    lookup error (a name's ``__eq__`` cannot raise: names are exact str) counts as
+    changed."""
+    cdef size_t i = 0
+    cdef PyObject* got
+    while i < checks.size():
+        got = _PyDict_GetItemWithError(checks[i], checks[i + 1])
+        if got != checks[i + 2]:
+            if got == NULL:
+                _PyErr_Clear()
+            return False
+        i += 3
+    return True
+
+
+cdef int _fill_checks(vector[PyObject*]& out, tuple triples) except -1:
+    """``triples`` ((dict, str, function), ...) into ``out`` as borrowed pointers."""
+    out.clear()
+    for d, name, func in triples:
+        if type(d) is not dict or type(name) is not str:
+            raise TypeError("(namespace dict, name, function) triples expected")
+        out.push_back(<PyObject*>d)
+        out.push_back(<PyObject*>name)
+        out.push_back(<PyObject*>func)
+    return 0
 
 
 cdef _AllocateSlotsFastPath _fast_path = _AllocateSlotsFastPath()
@@ -212,10 +245,11 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
     _fast_path.pool_names = tuple(pool_names)
     _fast_path.cache_checks = tuple(cache_checks)
     _fast_path.map_names = tuple(map_names)
+    _fast_path.enabled = False          # (until the arrays below match their tuples)
     _fast_path.module_functions = tuple(module_functions)
-    if not all(type(d) is dict for d, _, _ in step_globals):
-        raise TypeError("step_globals: (namespace dict, name, function) triples")
     _fast_path.step_globals = tuple(step_globals)
+    _fill_checks(_fast_path.module_checks, _fast_path.module_functions)
+    _fill_checks(_fast_path.step_checks, _fast_path.step_globals)
     _fast_path.native_cache = (bool(native_cache) and pool_cls is not None
                                and hash_map_cls is not None
                                and all(type(d) is dict for d, _, _ in module_functions))
