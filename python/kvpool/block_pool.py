@@ -211,7 +211,7 @@ class BlockPool(VllmBlockPool):
         context = self._table_context
         if context is not None:
             return self._policy.extend_table(self, num_blocks, *context)
-        if self._needs_vllm_loop():
+        if _GET_NEW_BLOCKS_CALLS.needs_vllm_loop(self):   # (= self._needs_vllm_loop())
             blocks = self._take(num_blocks)
         else:
             # The native loop (alloc.pxi), straight from vLLM's manager.
@@ -232,7 +232,7 @@ class BlockPool(VllmBlockPool):
         order. ``hint``/``owner``/``want``: the contiguous order's plan (the block id
         to continue at, the table's extent owner, the extent's blocks;
         ``free_block_queue.policy.set_plan``)."""
-        if self._needs_vllm_loop():
+        if _GET_NEW_BLOCKS_CALLS.needs_vllm_loop(self):   # (= self._needs_vllm_loop())
             handle = self._policy.queue_policy(self)  # (allocates nothing once made)
             if owner:
                 handle.set_plan(hint, owner, want)
@@ -266,12 +266,8 @@ class BlockPool(VllmBlockPool):
     def _needs_vllm_loop(self) -> bool:
         # Callbacks that must see every allocated block (reuse watchers, a metrics
         # collector, an eviction hook patched on the class or the instance, a subclass's)
-        # get vLLM's own allocation loop.
-        return bool(
-            self._reuse_watchers
-            or self.metrics_collector is not None
-            or not _GET_NEW_BLOCKS_CALLS.intact(self)
-        )
+        # get vLLM's own allocation loop (one native call: the allocation paths call it).
+        return _GET_NEW_BLOCKS_CALLS.needs_vllm_loop(self)
 
     def _idle(self) -> bool:
         # Only the null block is held.

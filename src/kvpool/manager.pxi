@@ -36,6 +36,7 @@ cdef extern from *:
     unsigned int kvpool_type_tag(PyObject* t)
 
 
+@cython.auto_pickle(False)
 cdef class _AllocateSlotsFastPath:
     """What the fast path was configured with (one per process)."""
     cdef public object manager_cls, coordinator_cls, full_attention_cls
@@ -373,6 +374,14 @@ cdef class VllmCallGuard:
         self.functions = tuple(functions)
         self.cls = None
         self.tag = 0
+
+    cpdef bint needs_vllm_loop(self, pool) except -1:
+        """``BlockPool._needs_vllm_loop`` in one native call: callbacks must see every
+        block the operation touches (reuse watchers, a metrics collector) or a method of
+        :attr:`names` is not vLLM's (:meth:`intact`)."""
+        if pool._reuse_watchers or pool.metrics_collector is not None:
+            return True
+        return not self.intact(pool)
 
     cpdef bint intact(self, pool) except -1:
         """True while every method of :attr:`names` is vLLM's for ``pool``."""
