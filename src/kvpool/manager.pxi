@@ -251,9 +251,8 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
     _fast_path.step_globals = tuple(step_globals)
     _fill_checks(_fast_path.module_checks, _fast_path.module_functions)
     _fill_checks(_fast_path.step_checks, _fast_path.step_globals)
-    _fast_path.native_cache = (bool(native_cache) and pool_cls is not None
-                               and hash_map_cls is not None
-                               and all(type(d) is dict for d, _, _ in module_functions))
+    # (_fill_checks above raised for a namespace that is not a dict)
+    _fast_path.native_cache = bool(native_cache) and pool_cls is not None and hash_map_cls is not None
     _fast_path.vanilla_cache_blocks = vanilla_cache_blocks
     _fast_path.pool_tag = 0
     _fast_path.map_tag = 0
