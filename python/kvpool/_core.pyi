@@ -10,9 +10,11 @@ from kvpool.errors import KvpoolError
 class BlockStateError(KvpoolError, ValueError, RuntimeError): ...
 class BlockIdOutOfRangeError(KvpoolError, IndexError, ValueError): ...
 
+def configure_block_fields(public_block_hash: bool) -> None: ...
+
 @disjoint_base
 class KVCacheBlock:
-    """KV-cache block metadata; mirrors vllm.v1.core.kv_cache_utils.KVCacheBlock (0.33.0)."""
+    """KV-cache block metadata; mirrors vllm.v1.core.kv_cache_utils.KVCacheBlock (0.30.0-0.34.0)."""
 
     block_id: int
     ref_cnt: int
@@ -26,18 +28,24 @@ class KVCacheBlock:
         self,
         block_id: int,
         ref_cnt: int = 0,
-        _block_hash: bytes | None = None,
-        _block_hash_num_tokens: int | None = None,
+        block_hash: bytes | None = None,
+        block_hash_num_tokens: int | None = None,
         prev_free_block: KVCacheBlock | None = None,
         next_free_block: KVCacheBlock | None = None,
         is_null: bool = False,
         *,
         pool: Any = None,
+        _block_hash: bytes | None = None,
+        _block_hash_num_tokens: int | None = None,
     ) -> None: ...
     @property
     def block_hash(self) -> bytes | None: ...
+    @block_hash.setter
+    def block_hash(self, value: bytes | None) -> None: ...
     @property
     def block_hash_num_tokens(self) -> int | None: ...
+    @block_hash_num_tokens.setter
+    def block_hash_num_tokens(self, value: int | None) -> None: ...
     @property
     def is_free(self) -> bool: ...
     def set_block_hash(self, block_hash: bytes, num_tokens: int | None = None) -> None: ...
@@ -200,6 +208,7 @@ def configure_allocate_slots_fast_path(
     check_prefix_cacheable: bool = True,
     vanilla_cache_blocks: Any = None,
     no_prefix_cache_cls: type | None = None,
+    block_ids_map: bool = False,
 ) -> None: ...
 def disable_allocate_slots_fast_path() -> None: ...
 def configure_prefix_lookup(
@@ -211,6 +220,7 @@ def configure_prefix_lookup(
     manager_names: Iterable[str],
     coordinator_names: Iterable[str],
     single_type_names: Iterable[str],
+    prefix_cache_hit_limit: bool = False,
 ) -> None: ...
 def kv_cache_manager_get_computed_blocks(
     self: Any, request: Any, max_cache_hit_length: int | None = ..., *args: Any, **kwargs: Any

@@ -1,4 +1,4 @@
-"""kvpool's drop-in ``BlockPool`` for vLLM 0.30.0–0.33.0.
+"""kvpool's drop-in ``BlockPool`` for vLLM 0.30.0–0.34.0.
 
 A subclass of ``vllm.v1.core.block_pool.BlockPool`` whose blocks and free queue are
 kvpool's extension types and whose per-block loops (``get_new_blocks``,
@@ -21,16 +21,20 @@ queue runs vLLM's own methods unchanged; kvpool's additions on it
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared
 from vllm.v1.core import block_pool as _vllm_block_pool
 
 from kvpool import allocation, envs
+from kvpool.block_hash_map import BLOCK_IDS_MAP, BlockHashToBlockMap, new_map
 from kvpool.errors import NotAKvpoolPoolError
+from kvpool.vllm_compat import release_traits
 from kvpool.vllm_calls import POOL_SELF_CALLS
 from kvpool._core import (
     BlockTable,
+    configure_block_fields,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
     VllmCallGuard,
@@ -57,59 +61,14 @@ VllmBlockPool = _vllm_block_pool.BlockPool
 # what vLLM's get_new_blocks / evict_blocks call through self. patched -> vLLM's loop.
 _GET_NEW_BLOCKS_CALLS = VllmCallGuard(VllmBlockPool, POOL_SELF_CALLS["get_new_blocks"])
 _EVICT_BLOCKS_CALLS = VllmCallGuard(VllmBlockPool, POOL_SELF_CALLS["evict_blocks"])
-VllmBlockHashToBlockMap = _vllm_block_pool.BlockHashToBlockMap
 
-
-class BlockHashToBlockMap(VllmBlockHashToBlockMap):
-    """vLLM's prefix-cache map, told apart from its dict case by ``type(x) is dict``.
-
-    vLLM's version tests ``isinstance(x, KVCacheBlock)`` against the name bound in
-    ``block_pool``'s namespace, which is vLLM's dataclass unless kvpool is installed;
-    this keeps a kvpool pool correct whether or not kvpool is installed.
-    """
-
-    def get_one_block(self, key):
-        blocks = self._cache.get(key)
-        if blocks is None:
-            return None
-        if type(blocks) is dict:
-            return next(iter(blocks.values()))
-        return blocks
-
-    def contain(self, key, block_id: int) -> bool:
-        blocks = self._cache.get(key)
-        if blocks is None:
-            return False
-        if type(blocks) is dict:
-            return block_id in blocks
-        return blocks.block_id == block_id
-
-    def insert(self, key, block) -> None:
-        blocks = self._cache.get(key)
-        if blocks is None:
-            self._cache[key] = block
-        elif type(blocks) is dict:
-            blocks[block.block_id] = block
-        else:
-            self._cache[key] = {blocks.block_id: blocks, block.block_id: block}
-
-    def pop(self, key, block_id: int):
-        blocks = self._cache.pop(key, None)
-        if blocks is None:
-            return None
-        if type(blocks) is dict:
-            block = blocks.pop(block_id, None)
-            if len(blocks) > 0:
-                self._cache[key] = blocks
-            return block
-        if blocks.block_id == block_id:
-            return blocks
-        self._cache[key] = blocks
-        return None
-
+_TRAITS = release_traits()
+# vLLM >= 0.34.0: blocks hold their pool weakly (BlockPool._weak_self).
+_WEAK_BLOCK_POOL = _TRAITS.weak_block_pool
+configure_block_fields(_TRAITS.public_block_hash, _TRAITS.weak_block_pool)
 
 class BlockPool(VllmBlockPool):
-    """Drop-in for ``vllm.v1.core.block_pool.BlockPool`` (vLLM 0.30.0–0.33.0).
+    """Drop-in for ``vllm.v1.core.block_pool.BlockPool`` (vLLM 0.30.0–0.34.0).
 
     Same constructor and attributes. Block 0 is the null block, popped at
     construction and never freed. Adds :meth:`reset_free_block_queue_order` (the
@@ -170,9 +129,14 @@ class BlockPool(VllmBlockPool):
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
+        # What each block's `pool` holds: the pool, or (vLLM >= 0.34.0) a weak
+        # reference to it, as vLLM's blocks do; the native loops compare it by identity.
+        if _WEAK_BLOCK_POOL:
+            self._weak_self = weakref.ref(self)
+        owner = self._weak_self if _WEAK_BLOCK_POOL else self
         # All blocks (a BlockTable: objects created on first use) and the free
         # queue, natively linked in block_id order.
-        self.blocks, self.free_block_queue = make_pool_blocks(self, num_gpu_blocks)
+        self.blocks, self.free_block_queue = make_pool_blocks(owner, num_gpu_blocks)
         #: The allocation policy object (kvpool.allocation), fixed for the pool's life;
         #: its hooks are called unconditionally (the default's do nothing).
         self._policy = allocation.new_policy(num_gpu_blocks)
@@ -182,7 +146,7 @@ class BlockPool(VllmBlockPool):
         # The block table the current allocation extends: (manager, request_id), set
         # by the manager hooks of a policy that installs them, else always None.
         self._table_context = None
-        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hash_to_block = new_map(self.blocks)
         self.cached_block_hashes_by_block = {}
         # Block 0 is the null block: a placeholder whose ref_cnt is not maintained.
         self.null_block = self.free_block_queue.popleft()
@@ -282,22 +246,32 @@ class BlockPool(VllmBlockPool):
         # Blocks were freed (also by a drained deferred free: kvpool.patches.deferred_free).
         self._policy.after_free(self)
 
-    def free_blocks(self, ordered_blocks) -> None:
+    def free_blocks(self, ordered_blocks, evict_first: bool = False) -> None:
         """Decrement ``ref_cnt``; blocks reaching 0 return to the free queue, hashed
         ones at the LRU tail, others at the front. Blocks of another pool are forwarded
         to it. Mirrors ``BlockPool.free_blocks``.
 
         Args:
             ordered_blocks: iterable of ``KVCacheBlock`` in eviction order.
+            evict_first: hashed blocks reaching 0 go to the front too, and other pools
+                are asked the same (vLLM >= 0.34.0's keyword; for blocks another tier
+                holds). Accepted on every release; vLLM 0.30.0-0.33.0 never pass it.
         Raises:
             BlockStateError: double free or a block of another pool (nothing freed).
         """
         if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
+            if evict_first:
+                return VllmBlockPool.free_blocks(self, ordered_blocks, evict_first=evict_first)
             return VllmBlockPool.free_blocks(self, ordered_blocks)
-        others = pool_free_blocks(self, self.free_block_queue, ordered_blocks, self.enable_caching)
+        # (evict_first: hashed blocks reaching 0 go to the front, as with caching off.)
+        others = pool_free_blocks(self, self.free_block_queue, ordered_blocks,
+                                  self.enable_caching and not evict_first)
         if others:
             for pool, blocks in others.items():
-                pool.free_blocks(blocks)
+                if evict_first:
+                    pool.free_blocks(blocks, evict_first=evict_first)
+                else:
+                    pool.free_blocks(blocks)
         self._policy.after_free(self)
 
     def touch(self, blocks) -> None:
@@ -341,7 +315,7 @@ class BlockPool(VllmBlockPool):
 
     # -- reset / reorder ---------------------------------------------------------------
     def reset_prefix_cache(self, reorder_free_queue: bool = False) -> bool:
-        """Reset the prefix cache (``BlockPool.reset_prefix_cache``, vLLM 0.30.0–0.33.0),
+        """Reset the prefix cache (``BlockPool.reset_prefix_cache``, vLLM 0.30.0–0.34.0),
         plus the RFC's Option B.
 
         Same precondition and effects as vLLM's: refused (False, warning) unless only
@@ -382,7 +356,8 @@ class BlockPool(VllmBlockPool):
         # anything change. A MemoryError up to there leaves the pool as it was.
         # vLLM's own effects after that (the reuse watchers it calls, the log line,
         # the event) can still raise, as they can on vLLM, with the reset done.
-        new_map = BlockHashToBlockMap()
+        # (vLLM >= 0.34.0 clears its map in place, after gc.freeze() too.)
+        fresh_map = None if BLOCK_IDS_MAP else new_map(self.blocks)
         table = self.blocks if isinstance(self.blocks, BlockTable) else None
         blocks = None if table is not None else list(self.blocks)
         watched = [self.blocks[block_id] for block_id in list(self._reuse_watchers)] if self._reuse_watchers else None
@@ -391,7 +366,10 @@ class BlockPool(VllmBlockPool):
         # The policy's one reorder, strong (it reads no hash, and needs only the
         # precondition above).
         self._policy.order_for_reset(self, bool(reorder))
-        self.cached_block_hash_to_block = new_map
+        if fresh_map is None:
+            self.cached_block_hash_to_block.clear()
+        else:
+            self.cached_block_hash_to_block = fresh_map
         self.cached_block_hashes_by_block.clear()
         if watched:
             self._notify_reuse(watched)

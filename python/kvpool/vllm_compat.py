@@ -39,10 +39,35 @@ class VllmRelease:
             Before, vLLM's reset reaches one engine (all with the load-balancing
             client); kvpool's reorder then sends its call to every engine itself
             (``kvpool.patches.engine_api``).
+        block_ids_map: ``BlockHashToBlockMap(blocks)`` stores block *ids* (duplicates
+            in ``_dup_ids``), has ``clear()``, and ``reset_prefix_cache`` clears it in
+            place (>= 0.34.0). Before, the map holds block objects (a dict of them for
+            duplicates) and the reset replaces it.
+        weak_block_pool: ``KVCacheBlock.pool`` is a ``weakref.ref`` to the pool
+            (``BlockPool._weak_self``), so a pool with live requests is collected
+            (>= 0.34.0). Before, the block holds its pool.
+        public_block_hash: ``KVCacheBlock.block_hash`` / ``block_hash_num_tokens`` are
+            plain writable fields (constructor keywords, printed by the repr;
+            >= 0.34.0). Before, they are read-only properties over ``_block_hash`` /
+            ``_block_hash_num_tokens``.
+        free_blocks_evict_first: ``BlockPool.free_blocks(blocks, evict_first=False)``
+            (>= 0.34.0; the CPU offloader passes it).
+        prefix_cache_hit_limit: a request's prefix-cache reads are bounded by
+            ``Request.prefix_cache_hit_limit`` / ``get_max_cache_hit_length()``
+            (>= 0.34.0). Before, ``Request.skip_reading_prefix_cache`` switches them off.
+        runner_output_index: ``ModelRunnerOutput`` has ``req_id_to_index`` and
+            ``CachedRequestData`` has ``resumed_req_ids`` (up to 0.33.0; the replay's
+            stand-in model builds the one, the tests read the other).
     """
 
     version: str
     all_engine_utility_call: bool
+    block_ids_map: bool = False
+    weak_block_pool: bool = False
+    public_block_hash: bool = False
+    free_blocks_evict_first: bool = False
+    prefix_cache_hit_limit: bool = False
+    runner_output_index: bool = True
 
 
 #: The releases kvpool knows, oldest first: its test matrix.
@@ -53,6 +78,10 @@ VLLM_RELEASES: dict[str, VllmRelease] = {
         VllmRelease("0.31.0", all_engine_utility_call=False),
         VllmRelease("0.32.0", all_engine_utility_call=True),
         VllmRelease("0.33.0", all_engine_utility_call=True),
+        VllmRelease("0.34.0", all_engine_utility_call=True, block_ids_map=True,
+                    weak_block_pool=True, public_block_hash=True,
+                    free_blocks_evict_first=True, prefix_cache_hit_limit=True,
+                    runner_output_index=False),
     )
 }
 

@@ -13,7 +13,15 @@ cdef dict _native_evict_cache(object pool):
     return _native_map_cache(_fast_path, pool)
 
 
-cdef bint _evict_natively(dict cache, KVCacheBlock blk, list removed_log) except -1:
+cdef dict _native_dup_ids(dict cache, object pool):
+    """The ``_dup_ids`` of the pool's map (``_native_map_cache`` checked it is a dict)
+    when the map stores block ids (vLLM >= 0.34.0); None otherwise."""
+    if cache is None or not _fast_path.map_ids:
+        return None
+    return <dict>pool.cached_block_hash_to_block._dup_ids
+
+
+cdef bint _evict_natively(dict cache, dict dup_ids, KVCacheBlock blk, list removed_log) except -1:
     """vLLM's ``BlockPool._maybe_evict_cached_block`` for a block with one hash and no
     extra ones, events off, no metrics collector: ``_remove_cached_block_hashes``
     (the map's ``pop(hash, block_id)``, kvpool's ``BlockHashToBlockMap.pop``), then
@@ -21,11 +29,14 @@ cdef bint _evict_natively(dict cache, KVCacheBlock blk, list removed_log) except
     off, or, where the pool instance's ``_emit_block_removed_events`` is a list's
     ``extend`` (``removed_log``, see ``_removed_events_list``), the removed hash
     appended to that list. False, with nothing changed, when an object involved is
-    not of the types this reads without running Python code."""
+    not of the types this reads without running Python code. ``dup_ids``: the map's
+    ``_dup_ids`` when it stores block ids (vLLM >= 0.34.0), else None."""
     key = blk._block_hash
     block_id = _block_id(blk)
     if type(key) is not bytes or type(block_id) is not int:
         return False
+    if dup_ids is not None:
+        return _evict_id_natively(cache, dup_ids, key, blk, block_id, removed_log)
     entry = cache.get(key)
     if entry is not None and type(entry) is not dict and (
             type(entry) is not KVCacheBlock or type(_block_id(<KVCacheBlock>entry)) is not int):
@@ -42,6 +53,35 @@ cdef bint _evict_natively(dict cache, KVCacheBlock blk, list removed_log) except
                 cache[key] = entry
         elif _block_id(<KVCacheBlock>entry) != block_id:
             cache[key] = entry
+    blk._block_hash = None
+    blk._block_hash_num_tokens = None
+    _fast_path.native_evictions += 1
+    return True
+
+
+cdef bint _evict_id_natively(dict cache, dict dup_ids, bytes key, KVCacheBlock blk,
+                             block_id, list removed_log) except -1:
+    """:func:`_evict_natively` on vLLM >= 0.34.0's map of block ids (``dup_ids`` its
+    ``_dup_ids``): its ``pop(key, block_id)`` (the key's first remaining id left in
+    ``_cache`` when others remain, the ``_dup_ids`` entry dropped at one id), then
+    ``reset_hash``. False, nothing changed, for entries of other types."""
+    if not _ids_entry_readable(cache, dup_ids, key):
+        return False
+    dups = dup_ids.get(key)
+    if dups is None:
+        found = cache.get(key) == block_id
+    else:
+        found = block_id in <dict>dups
+    if removed_log is not None and found:
+        removed_log.append(key)  # first: a MemoryError here leaves the block as it was
+    if found:
+        if dups is None:
+            del cache[key]
+        else:
+            del (<dict>dups)[block_id]
+            cache[key] = next(iter(<dict>dups))
+            if len(<dict>dups) == 1:
+                del dup_ids[key]
     blk._block_hash = None
     blk._block_hash_num_tokens = None
     _fast_path.native_evictions += 1
@@ -101,6 +141,7 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     cdef int32_t nfront = 0
     cdef int evict_state = 0 if pool is not None else 2   # 0 unknown, 1 native, 2 callback
     cdef dict evict_cache = None
+    cdef dict evict_dups = None
     cdef list evict_log = None
     # Compared as Python ints first: a count past Py_ssize_t gets vLLM's ValueError,
     # not an OverflowError from the conversion.
@@ -188,12 +229,13 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
                     has_extra and _block_id(<KVCacheBlock>o) in cached_block_hashes_by_block)):
                 if evict_state == 0:
                     evict_cache = _native_evict_cache(pool)
+                    evict_dups = _native_dup_ids(evict_cache, pool)
                     evict_state = 1 if evict_cache is not None else 2
                     if evict_state == 1:
                         evict_log = _removed_events_list(pool)
                 if not (evict_state == 1 and not (
                         has_extra and _block_id(<KVCacheBlock>o) in cached_block_hashes_by_block)
-                        and _evict_natively(evict_cache, <KVCacheBlock>o, evict_log)):
+                        and _evict_natively(evict_cache, evict_dups, <KVCacheBlock>o, evict_log)):
                     _fold_0_to_1(&rb, n01)
                     n01 = 0
                     kvpool_refbatch_flush(&rb)

@@ -133,13 +133,14 @@ cdef int _adopt_stale(object pool, FreeKVCacheBlockQueue queue, list blocks) exc
     cdef KVCacheBlock b
     cdef FreeKVCacheBlockQueue old
     cdef Py_ssize_t i
+    owner = _block_owner(pool)
     for i in range(PyList_GET_SIZE(blocks)):
         obj = <object>PyList_GET_ITEM(blocks, i)
         if not isinstance(obj, KVCacheBlock):
             continue
         b = <KVCacheBlock>obj
         old = b._queue
-        if b.pool is not pool or old is None or old is queue:
+        if b.pool is not owner or old is None or old is queue:
             continue
         if 0 <= b._slot < old._list.capacity() and old._list.contains(b._slot):
             continue
@@ -161,7 +162,9 @@ cdef dict _forwarded(vector[PyObject*]& foreign):
                 obj = <object>foreign[j]
                 Py_DECREF_ptr(foreign[j])  # `obj` holds it now
                 j += 1
-                others.setdefault((<KVCacheBlock>obj).pool, []).append(obj)
+                other = _owner_pool((<KVCacheBlock>obj).pool)
+                if other is not None:  # (a weakly held pool that is gone: dropped, as vLLM)
+                    others.setdefault(other, []).append(obj)
         return others
     finally:
         while j < foreign.size():
@@ -276,7 +279,8 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
     cdef PyObject* false_ = kvpool_false()
     cdef PyObject* zero = kvpool_si_obj(0)
     cdef PyObject* one = kvpool_si_obj(1)
-    cdef PyObject* pool_o = <PyObject*>pool
+    cdef object owner = _block_owner(pool)  # what the pool's blocks hold as `pool`
+    cdef PyObject* pool_o = <PyObject*>owner
     cdef PyObject* queue_o = <PyObject*>queue
     cdef void* block_type = <void*>KVCacheBlock
     cdef long refs = 0

@@ -34,7 +34,8 @@ cdef tuple _LOOKUP_POOL_NAMES = ("get_cached_block",)
 
 
 def configure_prefix_lookup(*, vanilla, lookup_specs, eagle_attr, takes_max_length,
-                            manager_names, coordinator_names, single_type_names):
+                            manager_names, coordinator_names, single_type_names,
+                            prefix_cache_hit_limit=False):
     """Arm :func:`kv_cache_manager_get_computed_blocks` beside the allocate_slots fast
     path (after :func:`configure_allocate_slots_fast_path`, which disarms it; called by
     ``kvpool.patches.manager_fast_path``). ``vanilla``: vLLM's ``get_computed_blocks``;
@@ -43,7 +44,10 @@ def configure_prefix_lookup(*, vanilla, lookup_specs, eagle_attr, takes_max_leng
     (``drop_eagle_group_ids`` in 0.33.0, ``eagle_group_ids`` in 0.30.0);
     ``takes_max_length``: the release's ``get_computed_blocks`` has the
     ``max_cache_hit_length`` parameter; ``*_names``: methods that must not be set on the
-    manager / coordinator / single-type manager instances."""
+    manager / coordinator / single-type manager instances; ``prefix_cache_hit_limit``:
+    the release bounds a request's reads by ``Request.prefix_cache_hit_limit`` and
+    ``get_max_cache_hit_length`` (vLLM >= 0.34.0) instead of
+    ``skip_reading_prefix_cache``."""
     _fast_path.vanilla_lookup = vanilla
     _fast_path.lookup_specs = tuple(lookup_specs)
     _fast_path.eagle_attr = str(eagle_attr)
@@ -51,6 +55,7 @@ def configure_prefix_lookup(*, vanilla, lookup_specs, eagle_attr, takes_max_leng
     _fast_path.lookup_manager_names = tuple(manager_names)
     _fast_path.lookup_coordinator_names = tuple(coordinator_names)
     _fast_path.lookup_single_type_names = tuple(single_type_names)
+    _fast_path.hit_limit = bool(prefix_cache_hit_limit)
     _fast_path.native_lookups = 0
     _fast_path.vllm_lookups = 0
     _fast_path.native_lookup = True
@@ -130,10 +135,18 @@ cdef object _get_computed_blocks_native(_AllocateSlotsFastPath fp, self, request
             or not _nonneg(pool.hash_block_size, &n) or n != block_size):
         return _VLLM
     # From here on the call is this function's (the request is read).
-    if request.skip_reading_prefix_cache:
-        return (self.empty_kv_cache_blocks, 0, 0)
-    if max_length_o is _NOT_GIVEN or max_length_o is None:
-        max_length_o = request.num_tokens - 1
+    if fp.hit_limit:
+        # vLLM >= 0.34.0: `request.prefix_cache_hit_limit != 0`, then
+        # `request.get_max_cache_hit_length(max_cache_hit_length)`.
+        if not (request.prefix_cache_hit_limit != 0):
+            return (self.empty_kv_cache_blocks, 0, 0)
+        max_length_o = request.get_max_cache_hit_length(
+            None if max_length_o is _NOT_GIVEN else max_length_o)
+    else:
+        if request.skip_reading_prefix_cache:
+            return (self.empty_kv_cache_blocks, 0, 0)
+        if max_length_o is _NOT_GIVEN or max_length_o is None:
+            max_length_o = request.num_tokens - 1
     return _longest_hit(fp, self, request.block_hashes, pool, <dict>cache_o, block_size,
                         max_length_o)
 
@@ -163,7 +176,9 @@ cdef object _longest_hit(_AllocateSlotsFastPath fp, self, block_hashes, pool, di
         entry = cache.get(key)
         if entry is None:
             break
-        if type(entry) is dict:
+        if fp.map_ids:
+            entry = hash_map._blocks[entry]   # vLLM >= 0.34.0: the map stores block ids
+        elif type(entry) is dict:
             entry = next(iter((<dict>entry).values()))
         if not entry:
             break

@@ -61,6 +61,9 @@ cdef class _AllocateSlotsFastPath:
     # PyDict_GetItemWithError each, no tuple unpacking (this runs in every native call).
     cdef vector[PyObject*] module_checks, step_checks   # dict, name, function, dict, ...
     cdef public bint native_cache, check_prefix_cacheable
+    # vLLM >= 0.34.0: the map stores block ids (VllmRelease.block_ids_map), and a
+    # request's cache reads are bounded by prefix_cache_hit_limit (.prefix_cache_hit_limit).
+    cdef public bint map_ids, hit_limit
     cdef public Py_ssize_t native_cache_calls, vllm_cache_calls, native_evictions
     # The native get_computed_blocks (lookup.pxi):
     cdef public bint native_lookup, lookup_takes_max
@@ -79,6 +82,8 @@ cdef class _AllocateSlotsFastPath:
         self.vllm_calls = 0
         self.native_cache = False
         self.check_prefix_cacheable = True
+        self.map_ids = False
+        self.hit_limit = False
         self.native_cache_calls = 0
         self.vllm_cache_calls = 0
         self.native_evictions = 0
@@ -209,7 +214,7 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
                                        map_names=(), cache_checks=(),
                                        module_functions=(), step_globals=(), native_cache=False,
                                        check_prefix_cacheable=True, vanilla_cache_blocks=None,
-                                       no_prefix_cache_cls=None):
+                                       no_prefix_cache_cls=None, block_ids_map=False):
     """Arm :func:`kv_cache_manager_allocate_slots` (called by
     ``kvpool.patches.manager_fast_path``; ``disable_allocate_slots_fast_path`` undoes it).
 
@@ -226,6 +231,8 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
     returns early for a spec that is not ``prefix_cacheable``, as 0.33.0's does).
     ``no_prefix_cache_cls``: vLLM's ``KVCacheCoordinatorNoPrefixCache`` when its
     allocation methods are ``coordinator_cls``'s (prefix caching off), or None.
+    ``block_ids_map``: the map's layout is vLLM >= 0.34.0's (``_cache`` of block ids,
+    ``_dup_ids``); else 0.30.0-0.33.0's (blocks, a dict of them for duplicates).
     """
     _fast_path.manager_cls = manager_cls
     _fast_path.coordinator_cls = coordinator_cls
@@ -257,6 +264,7 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
     _fast_path.pool_tag = 0
     _fast_path.map_tag = 0
     _fast_path.check_prefix_cacheable = check_prefix_cacheable
+    _fast_path.map_ids = bool(block_ids_map)
     _fast_path.tags[0] = 0
     _fast_path.fast_calls = 0
     _fast_path.vllm_calls = 0
@@ -637,8 +645,35 @@ cdef dict _native_map_cache(_AllocateSlotsFastPath fp, pool, tuple pool_names=No
     hash_map = pool.cached_block_hash_to_block
     if type(hash_map) is not fp.hash_map_cls or not _not_overridden(hash_map, fp.map_names):
         return None
+    if fp.map_ids and (type(hash_map._dup_ids) is not dict or hash_map._blocks is not pool.blocks):
+        return None
     cache = hash_map._cache
     return <dict>cache if type(cache) is dict else None
+
+
+cdef int _insert_block_id(dict cache, dict dup_ids, key, block_id) except -1:
+    """vLLM >= 0.34.0's ``BlockHashToBlockMap.insert`` of a block (``block_id`` an int;
+    the caller checked the key's entries are ints): ``_cache`` keeps the first id of a
+    key, ``_dup_ids`` every id, in insertion order, of a key several blocks cache."""
+    first = cache.setdefault(key, block_id)
+    if first != block_id:
+        dups = dup_ids.get(key)
+        if dups is None:
+            dups = {first: None}
+            dup_ids[key] = dups
+        (<dict>dups)[block_id] = None
+    return 0
+
+
+cdef bint _ids_entry_readable(dict cache, dict dup_ids, key) except -1:
+    """The key's entries in an ids map are what :func:`_insert_block_id` and the native
+    eviction read without running Python code: an int (or nothing) in ``_cache``, a
+    dict (or nothing) in ``_dup_ids``."""
+    entry = cache.get(key)
+    if entry is not None and type(entry) is not int:
+        return False
+    dups = dup_ids.get(key)
+    return dups is None or type(dups) is dict
 
 
 cdef bint _cache_blocks_native(_AllocateSlotsFastPath fp, coordinator, mgr, request,
@@ -665,6 +700,7 @@ cdef bint _cache_blocks_native(_AllocateSlotsFastPath fp, coordinator, mgr, requ
     cdef unsigned char suffix_buf[4]
     cdef list blocks, block_hashes
     cdef dict cache, num_cached_block
+    dup_ids = None
     pool = mgr.block_pool
     cache_o = _native_map_cache(fp, pool)
     if (cache_o is None
@@ -741,6 +777,18 @@ cdef bint _cache_blocks_native(_AllocateSlotsFastPath fp, coordinator, mgr, requ
             break
         key = <bytes>block_hashes[i] + suffix
         block_id = <object>blk._block_id_o
+        if fp.map_ids:
+            # vLLM >= 0.34.0's _insert_block_hash for a block without a hash:
+            # set_block_hash, then the map's insert (no contain check first).
+            if dup_ids is None:
+                dup_ids = pool.cached_block_hash_to_block._dup_ids
+            if type(dup_ids) is not dict or not _ids_entry_readable(cache, <dict>dup_ids, key):
+                pool.cache_full_blocks(request, blocks, i, num_full, bs, group_id)
+                break
+            blk._block_hash = key
+            blk._block_hash_num_tokens = (i + 1) * bs
+            _insert_block_id(cache, <dict>dup_ids, key, block_id)
+            continue
         # BlockHashToBlockMap.contain (kvpool.block_pool): already there -> skipped
         entry = cache.get(key)
         entry_id = None

@@ -94,7 +94,8 @@ def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,
         err = _unpin_check(o, queue, &refs)
         if err != E_NONE:
             stale = (err == E_DOUBLE_FREE and pool is not None and refs > 0
-                     and (<KVCacheBlock>o).pool is pool and (<KVCacheBlock>o)._queue is not None)
+                     and (<KVCacheBlock>o).pool is _block_owner(pool)
+                     and (<KVCacheBlock>o)._queue is not None)
             break
         i += 1
     if err == E_NONE:

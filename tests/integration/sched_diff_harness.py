@@ -327,7 +327,7 @@ def scheduler_output_view(so) -> dict:
     cached = so.scheduled_cached_reqs
     return {
         "new": [[r.req_id, _groups(r.block_ids), r.num_computed_tokens] for r in so.scheduled_new_reqs],
-        "cached": [[rid, rid in cached.resumed_req_ids, _groups(b), n]
+        "cached": [[rid, rid in getattr(cached, "resumed_req_ids", ()), _groups(b), n]
                    for rid, b, n in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens)],
         "tokens": sorted(so.num_scheduled_tokens.items()),
         "total": so.total_num_scheduled_tokens,
@@ -394,8 +394,10 @@ def state_view(scheduler, events: list, with_map: bool) -> dict:
     }
     events.clear()
     if with_map:
-        view["map"] = sorted([_key(k), sorted(v) if isinstance(v, dict) else [v.block_id]]
-                             for k, v in pool.cached_block_hash_to_block._cache.items())
+        from tests.support.map_view import map_entries
+
+        view["map"] = sorted([_key(k), sorted(ids)]
+                             for k, ids in map_entries(pool.cached_block_hash_to_block).items())
     return view
 
 

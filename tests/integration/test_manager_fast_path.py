@@ -26,6 +26,19 @@ import torch
 import kvpool
 from kvpool import _core
 from tests.support.scheduler import make_request
+from tests.support.map_view import map_entries
+from kvpool.block_hash_map import BLOCK_IDS_MAP
+
+
+def _put_several(hash_map, key, first_id, first_value) -> None:
+    """Make ``key`` cached by two blocks, ``first_id`` first (``first_value`` is what the
+    map stores for it where it stores blocks: vLLM <= 0.33.0)."""
+    cache = hash_map._cache
+    if BLOCK_IDS_MAP:
+        hash_map._dup_ids[key] = {first_id: None, cache[key]: None}
+        cache[key] = first_id
+    else:
+        cache[key] = {first_id: first_value, cache[key].block_id: cache[key]}
 
 pytestmark = [pytest.mark.sanitizer, pytest.mark.debug]
 
@@ -77,8 +90,7 @@ class _Side:
         tables = {rid: [b.block_id for b in blocks] for rid, blocks in single.req_to_blocks.items()}
         hashes = {rid: [(b.block_hash, b.block_hash_num_tokens) for b in blocks]
                   for rid, blocks in single.req_to_blocks.items()}
-        cached = {key: sorted(v) if isinstance(v, dict) else [v.block_id]
-                  for key, v in pool.cached_block_hash_to_block._cache.items()}
+        cached = {key: sorted(ids) for key, ids in map_entries(pool.cached_block_hash_to_block).items()}
         events = [repr(e) for e in self.manager.take_events()]
         removed = None
         if self.removed is not None:
@@ -264,11 +276,12 @@ def test_bound_by_install_and_undone_by_uninstall(monkeypatch):
 
 
 def test_the_installed_vllm_is_a_release_whose_sources_it_mirrors():
-    """0.33.0's functions hash to the recorded fingerprint; a change to any mirrored
-    function (another release) keeps vLLM's allocate_slots."""
+    """The installed release's functions hash to its recorded fingerprint; a change to any
+    mirrored function (another release) keeps vLLM's allocate_slots."""
+    from kvpool import vllm_compat
     from kvpool.patches import manager_fast_path as fp
 
-    assert fp.matching_release() == "0.33.0"
+    assert fp.matching_release() == vllm_compat._release(vllm_compat.installed_vllm_version())
     classes = fp._classes()
 
     class Edited(classes["FullAttentionManager"]):
@@ -446,10 +459,17 @@ def test_a_map_entry_of_another_type_is_read_by_vllms_code():
     reads = []
 
     class Foreign:
+        # Read as a block (vLLM <= 0.33.0's map) or compared as an id (0.34.0's).
         @property
         def block_id(self):
             reads.append(1)
             return -5
+
+        def __ne__(self, other):
+            reads.append(1)
+            return True
+
+        __hash__ = object.__hash__
 
     # Decode until the next block's hash exists (its last token appended), then put a
     # foreign entry under that hash (group 0) before the step that caches the block.
@@ -465,7 +485,10 @@ def test_a_map_entry_of_another_type_is_read_by_vllms_code():
         req.append_output_token_ids(7)
     assert key is not None and reads, "vLLM's code did not read the foreign entry"
     block = single.req_to_blocks["a"][next_block]
-    assert isinstance(cache[key], dict) and cache[key][block.block_id] is block
+    if BLOCK_IDS_MAP:
+        assert block.block_id in manager.block_pool.cached_block_hash_to_block._dup_ids[key]
+    else:
+        assert isinstance(cache[key], dict) and cache[key][block.block_id] is block
     assert single.num_cached_block["a"] > next_block
 
 
@@ -775,11 +798,11 @@ def test_lookups_of_odd_arguments_and_entries_get_vllm_behaviour(case):
             req = make_request("c", [], max_tokens=1, block_size=BLOCK_SIZE)
         elif case == "several blocks":
             other = manager.block_pool.get_new_blocks(1)[0]   # inserted first
-            cache[key] = {other.block_id: other, cache[key].block_id: cache[key]}
+            _put_several(manager.block_pool.cached_block_hash_to_block, key, other.block_id, other)
         elif case == "foreign entry":
             cache[key] = _Foreign()
         elif case == "foreign in several":
-            cache[key] = {-3: _Foreign(), cache[key].block_id: cache[key]}
+            _put_several(manager.block_pool.cached_block_hash_to_block, key, -3, _Foreign())
         elif case in ("counted property", "tuple of hashes"):
             # A property that is False only on its first read: read twice, the lookup
             # would differ (a breaker's finding); with a tuple of hashes too.

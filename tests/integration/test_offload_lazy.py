@@ -275,10 +275,10 @@ def serve(workload, *, lazy: bool, num_blocks: int, num_cpu_blocks: int, steps_p
     every ``steps_per_batch`` steps, the worker completing every load and store in the
     step it was issued. Returns the stores (block hashes, per step) and the CPU-tier hit
     tokens per request."""
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
-    from kvpool.replay.engine import block_hasher, make_request
+    from kvpool.replay.engine import block_hasher, make_request, model_runner_output
 
     sched = _scheduler(lazy, num_blocks, num_cpu_blocks)
     manager = sched.connector.scheduler_manager
@@ -309,8 +309,8 @@ def serve(workload, *, lazy: bool, num_blocks: int, num_cpu_blocks: int, steps_p
                 req = sched.requests.get(rid)
                 sampled.append([] if req is None or req.is_prefill_chunk else [100 + req.num_output_tokens])
             done = {meta.store_event: 1} if meta.store_event >= 0 else {}
-            sched.update_from_output(output, ModelRunnerOutput(
-                req_ids=ids, req_id_to_index={r: k for k, r in enumerate(ids)}, sampled_token_ids=sampled,
+            sched.update_from_output(output, model_runner_output(
+                ids, sampled,
                 kv_connector_output=KVConnectorOutput(
                     finished_recving=loaded,
                     kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(completed_store_events=done))))

@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("vllm_compat",),  # what differs between vLLM releases
     ("_core",),  # the extension
     ("allocation",),  # the allocation policy block_pool follows
+    ("block_hash_map",),  # the prefix-cache map in the installed release's layout
     ("block_pool",),
     ("patches",),  # the patch modules: apply(patcher)
     ("patching",),  # install() / uninstall(), runs the patch modules

@@ -210,7 +210,7 @@ class ScriptedWorker:
         for rid, new_ids in zip(cached.req_ids, cached.new_block_ids):
             if new_ids is None:
                 continue
-            if rid in cached.resumed_req_ids:
+            if rid in getattr(cached, "resumed_req_ids", ()):  # (vLLM <= 0.33.0)
                 self.tables[rid] = list(new_ids[0])
             else:
                 self.tables.setdefault(rid, []).extend(new_ids[0])

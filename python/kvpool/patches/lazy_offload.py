@@ -3,21 +3,30 @@ patch module).
 
 vLLM's ``SimpleCPUOffloadConnector`` in lazy mode (``lazy_offload=True``;
 ``SimpleCPUOffloadScheduler._prepare_lazy_store_specs`` in
-``vllm/v1/simple_kv_offload/manager.py``, vLLM 0.30.0-0.33.0) stores nothing when a
-request computes its blocks: each step it walks the GPU free queue from a saved cursor
-block (``free_block_queue.iter_blocks_after(cursor)``), counts ``target_free`` free
-blocks and copies the cached ones among them to the CPU tier. What it stores, and so
-what the CPU tier can hit later, depends on where the cursor sits among the free
-blocks, uncached ones included. A policy that orders the free queue otherwise than
-vLLM (``allocation="contiguous"``: the uncached blocks sorted by id;
-``KVPOOL_REORDER_ON_IDLE=1``: relinked by id when the pool empties) keeps every
-prefix-cache hit and eviction of vLLM, but moves uncached blocks before or behind that
-cursor, so the walk reaches other cached blocks at other steps: other stores, fewer
-CPU hits (docs/design.md, "Lazy CPU offloading"). Such a pool is refused when the
-offloader binds it (``bind_gpu_block_pool``, called when vLLM's ``Scheduler`` is
-built), with :class:`LazyOffloadOrderError`, before anything is served. The eager
-offloader (the default, ``lazy_offload=False``) stores from the requests' block tables,
-not from the free queue, and runs on every policy unchanged.
+``vllm/v1/simple_kv_offload/manager.py``) stores nothing when a request computes its
+blocks: each step it walks the GPU free queue, counts ``target_free`` free blocks and
+copies the cached ones among them to the CPU tier. What it stores, and what the GPU
+prefix cache keeps, depends on where cached blocks sit among the free blocks, uncached
+ones included:
+
+- vLLM 0.30.0-0.33.0 walk from a saved cursor block
+  (``free_block_queue.iter_blocks_after(cursor)``). A policy that orders the uncached
+  blocks otherwise moves them before or behind that cursor, so the walk reaches other
+  cached blocks at other steps: other stores, fewer CPU hits.
+- vLLM 0.34.0 walks from the queue's head and returns the stored blocks with
+  ``free_blocks(..., evict_first=True)``: cached blocks at the *front* of the queue,
+  which vLLM evicts next. A policy that keeps the front of the queue sorted by block id
+  (``allocation="contiguous"``) serves them by position instead, so they stay cached on
+  the GPU longer than on vLLM's pool: other GPU hits and evictions.
+
+The policies that order the free queue otherwise than vLLM (``allocation="contiguous"``;
+``KVPOOL_REORDER_ON_IDLE=1``: relinked by id when the pool empties) keep every
+prefix-cache hit and eviction of vLLM without the lazy offloader, not with it
+(docs/design.md, "Lazy CPU offloading"). Such a pool is refused when the offloader binds
+it (``bind_gpu_block_pool``, called when vLLM's ``Scheduler`` is built), with
+:class:`LazyOffloadOrderError`, before anything is served. The eager offloader (the
+default, ``lazy_offload=False``) stores from the requests' block tables, not from the
+free queue, and runs on every policy unchanged; kvpool's default order serves both.
 
 Installed by every ``kvpool.install()`` (the policy is per pool, chosen when the pool
 is built); a wrapper of one method vLLM calls once per engine, which passes through
@@ -30,6 +39,15 @@ import functools
 from typing import Any
 
 from kvpool.errors import LazyOffloadOrderError  # (defined there, re-exported here)
+from kvpool.vllm_compat import release_traits
+
+if release_traits().free_blocks_evict_first:
+    _WALK = ("from its head, and returns them with evict_first=True to the front, where "
+             "vLLM evicts them next")
+    _CONSEQUENCE = "those blocks would stay cached on the GPU longer, with other hits and evictions"
+else:
+    _WALK = "from a saved cursor block"
+    _CONSEQUENCE = "the CPU tier would get other stores and fewer hits"
 
 
 def check_lazy_offload_pool(pool: Any) -> None:
@@ -44,10 +62,9 @@ def check_lazy_offload_pool(pool: Any) -> None:
     raise LazyOffloadOrderError(
         f"vLLM's lazy CPU offloading (SimpleCPUOffloadConnector with lazy_offload=True) "
         f"cannot run on a kvpool block pool with {policy.setting}: the lazy offloader "
-        f"stores the cached blocks it meets walking the GPU free queue from a saved "
-        f"cursor, and this policy orders the free queue's uncached blocks differently "
-        f"from vLLM, so the CPU tier would get other stores and fewer hits than on vLLM's "
-        f"pool. Use the eager offloader (lazy_offload=False, the default), which this "
+        f"stores the cached blocks it meets walking the GPU free queue ({_WALK}), and "
+        f"this policy orders the free queue's uncached blocks differently from vLLM, so "
+        f"{_CONSEQUENCE} than on vLLM's pool. Use the eager offloader (lazy_offload=False, the default), which this "
         f"policy serves exactly as vLLM, or kvpool's default order (allocation=\"vllm\" "
         f"without KVPOOL_REORDER_ON_IDLE).")
 

@@ -55,6 +55,7 @@ import types
 from typing import Any
 
 from kvpool import allocation, envs
+from kvpool.vllm_compat import release_traits
 # Method names the native path skips, which must not be set on the instances (listed
 # with the pool's in kvpool.vllm_calls).
 from kvpool.vllm_calls import (
@@ -120,6 +121,7 @@ MIRRORED: tuple[tuple[str, str], ...] = (
 #: sha256 of :func:`mirrored_source` per vLLM release whose functions the native path
 #: was written against and checked with that release's own tests (docs/conformance.md).
 KNOWN_SOURCES: dict[str, str] = {
+    "0.34.0": "17b7c09c0b30fd9284330aeab732c68bca562b39dec1d6a560d7e8f019e659c2",
     "0.33.0": "83639507599393d4a84e710530abd061343a38fc13f9d90c8a7556c3d9756556",
     "0.30.0": "7af2f0e444897e7320179b7987777eaa2a0cc136660bfff4ac93ae40aeca956e",
 }
@@ -336,6 +338,7 @@ def _bind_get_computed_blocks(patcher, classes: dict[str, Any], release: str) ->
         lookup_specs=(module.FullAttentionSpec, module.ChunkedLocalAttentionSpec),
         eagle_attr="eagle_group_ids" if release == "0.30.0" else "drop_eagle_group_ids",
         takes_max_length=release != "0.30.0",
+        prefix_cache_hit_limit=release_traits(release).prefix_cache_hit_limit,
         manager_names=_LOOKUP_MANAGER_NAMES,
         coordinator_names=_LOOKUP_COORDINATOR_NAMES,
         single_type_names=_LOOKUP_SINGLE_TYPE_NAMES,
@@ -379,7 +382,8 @@ def apply(patcher) -> None:
         return
     manager_cls = classes["KVCacheManager"]
     coordinator_cls = classes["UnitaryKVCacheCoordinator"]
-    from kvpool.block_pool import BlockHashToBlockMap, BlockPool
+    from kvpool.block_hash_map import BlockHashToBlockMap
+    from kvpool.block_pool import BlockPool
 
     vanilla_cache_blocks = coordinator_cls.cache_blocks
     native_cache = _bind_cache_blocks(patcher, classes)
@@ -416,6 +420,7 @@ def apply(patcher) -> None:
         # is not prefix_cacheable; 0.30.0's has no such test.
         check_prefix_cacheable=release != "0.30.0",
         vanilla_cache_blocks=vanilla_cache_blocks,
+        block_ids_map=release_traits(release).block_ids_map,
         module_functions=module_functions,
         step_globals=step_globals,
     )

@@ -302,8 +302,11 @@ def model_runner_output(req_ids: list[str], sampled_token_ids: list[list[int]], 
     """``ModelRunnerOutput`` of one step: ``sampled_token_ids[i]`` for ``req_ids[i]``."""
     from vllm.v1.outputs import ModelRunnerOutput
 
-    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                             sampled_token_ids=sampled_token_ids, **kwargs)
+    from kvpool.vllm_compat import release_traits
+
+    if release_traits().runner_output_index:    # (vLLM <= 0.33.0)
+        kwargs["req_id_to_index"] = {rid: i for i, rid in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids, **kwargs)
 
 
 def stand_in_model(scheduler, target: dict[str, int], salt: dict[str, int]) -> Callable[[Any], Any]:
