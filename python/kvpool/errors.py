@@ -94,6 +94,11 @@ class SdistError(KvpoolError, RuntimeError):
     """The sdist could not be found, downloaded or verified."""
 
 
+class PortingError(KvpoolError, RuntimeError):
+    """``python -m kvpool porting`` could not get what its report needs (a vLLM
+    version that is not on the package index, a wheel without the sources)."""
+
+
 class KvpoolInstallError(KvpoolError, RuntimeError):
     """kvpool could not be installed into vLLM for the conformance run."""
 
@@ -108,6 +113,7 @@ __all__ = [
     "ModeUnavailable",
     "NotAKvpoolPoolError",
     "PoolsBuiltBeforeInstallError",
+    "PortingError",
     "SdistError",
     "SelfCheckError",
     "UnsupportedVLLMVersionError",

@@ -249,17 +249,7 @@ def install(*, force: bool = False, allocation: str | None = None, lru_window: i
         untested = not is_supported(version)
         if not allow_vllm_built_pools:
             _refuse_pools_built_before_install()
-        try:
-            state = _InstallState(vllm_version=version, vanilla=vanilla_classes())
-            replacements = _replacements()
-        except (ImportError, AttributeError) as e:
-            if not untested:
-                raise
-            raise UnsupportedVLLMVersionError(
-                f"kvpool cannot bind its block classes into untested vLLM {version} ({e}); "
-                "nothing was changed") from e
-        if untested and not _selfcheck_bypassed:
-            _require_selfcheck(state.vanilla, replacements, version)
+        state, replacements = _checked_state(version, untested)
         state.arguments = {envs.ALLOCATION: allocation, envs.LRU_WINDOW: lru_window,
                            envs.ALLOW_UNTESTED_VLLM: True if force else None}
         state.policy = policy
@@ -274,6 +264,24 @@ def install(*, force: bool = False, allocation: str | None = None, lru_window: i
         _allocation.set_policy(policy, window)
         logger.debug("kvpool installed into vLLM %s (allocation=%s, lru_window=%d)", version, policy, window)
         return True
+
+
+def _checked_state(version: str, untested: bool) -> tuple[_InstallState, dict[str, Any]]:
+    """``install()``'s checks before it changes anything: vLLM's and kvpool's classes
+    (an untested release that lacks what kvpool's bind to raises
+    ``UnsupportedVLLMVersionError``), and on an untested release the self-check."""
+    try:
+        state = _InstallState(vllm_version=version, vanilla=vanilla_classes())
+        replacements = _replacements()
+    except (ImportError, AttributeError) as e:
+        if not untested:
+            raise
+        raise UnsupportedVLLMVersionError(
+            f"kvpool cannot bind its block classes into untested vLLM {version} ({e}); "
+            "nothing was changed") from e
+    if untested and not _selfcheck_bypassed:
+        _require_selfcheck(state.vanilla, replacements, version)
+    return state, replacements
 
 
 #: Set only by :func:`selfcheck_bypassed` (the porting report's probe).

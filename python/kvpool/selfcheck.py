@@ -347,10 +347,16 @@ def _run_script(cls, requests) -> tuple[list[tuple[str, Any]], Any]:
     return steps, pool
 
 
-def _layout(pool, block_cls: type) -> list[str]:
+def _layout(vanilla: dict[str, Any], request) -> list[str]:
     """kvpool's native code reads ``cached_block_hash_to_block._cache`` values as block
-    objects or ``{block_id: block}`` dicts; ``pool`` (vLLM's, after the script cached
-    blocks) must keep them that way."""
+    objects or ``{block_id: block}`` dicts; vLLM's own pool, with three blocks of
+    ``request`` cached, must keep them that way."""
+    block_cls = vanilla["KVCacheBlock"]
+    try:
+        pool = vanilla["BlockPool"](NUM_BLOCKS, True, BLOCK_SIZE)
+        pool.cache_full_blocks(request, pool.get_new_blocks(3), 0, 3, BLOCK_SIZE, 0)
+    except Exception as e:
+        return [f"BlockHashToBlockMap layout: vLLM's BlockPool could not cache 3 blocks ({type(e).__name__}: {e})"]
     cache = getattr(getattr(pool, "cached_block_hash_to_block", None), "_cache", None)
     if not isinstance(cache, dict):
         return [f"BlockHashToBlockMap layout: vLLM's map has no dict _cache (a {type(cache).__name__}); "
@@ -365,6 +371,21 @@ def _layout(pool, block_cls: type) -> list[str]:
     return []
 
 
+def _first_difference(theirs: list[tuple[str, Any]], mine: list[tuple[str, Any]]) -> list[str]:
+    """The first step whose outcome differs between vLLM's pool (``theirs``) and
+    kvpool's, or where either raised, as one line (``[]`` when none)."""
+    for (step, expected), (my_step, got) in zip(theirs, mine):
+        if isinstance(expected, str) and isinstance(got, str):
+            return [f"contract: {step}: vLLM's BlockPool {expected}; kvpool's {got}"]
+        if isinstance(got, str):
+            return [f"contract: {my_step}: kvpool's BlockPool {got} (vLLM's did not)"]
+        if isinstance(expected, str):
+            return [f"contract: {step}: vLLM's BlockPool {expected} (kvpool's did not)"]
+        if expected != got:
+            return [f"contract: {step}: vLLM's BlockPool gave {_short(expected)}, kvpool's gave {_short(got)}"]
+    return []
+
+
 def check_contracts(vanilla: dict[str, Any], ours: dict[str, Any]) -> list[str]:
     """The contract part of the check (see the module docstring): one line for the
     first step whose outcome differs, and the map layout and pool attributes."""
@@ -375,19 +396,9 @@ def check_contracts(vanilla: dict[str, Any], ours: dict[str, Any]) -> list[str]:
     theirs, vllm_pool = _run_script(vanilla["BlockPool"], requests)
     requests = {"a": _request("a", list(range(12))), "b": _request("b", [*range(8), 50, 51, 52, 53])}
     mine, kvpool_pool = _run_script(ours["BlockPool"], requests)
-    found = []
-    for (step, expected), (_, got) in zip(theirs, mine):
-        if expected != got:
-            found.append(f"contract: {step}: vLLM's BlockPool gave {_short(expected)}, kvpool's gave {_short(got)}")
-            break
-    else:
-        if len(theirs) != len(mine):
-            longer, who = (theirs, "vLLM's") if len(theirs) > len(mine) else (mine, "kvpool's")
-            found.append(f"contract: {longer[min(len(theirs), len(mine))][0]}: only {who} BlockPool got there")
-        elif theirs and isinstance(theirs[-1][1], str):
-            found.append(f"contract: {theirs[-1][0]}: both pools {theirs[-1][1]}")
+    found = _first_difference(theirs, mine)
+    found += _layout(vanilla, _request("a", list(range(12))))
     if vllm_pool is not None:
-        found += _layout(vllm_pool, vanilla["KVCacheBlock"])
         if kvpool_pool is not None:
             extra = sorted(set(vars(vllm_pool)) - set(vars(kvpool_pool)))
             if extra:
