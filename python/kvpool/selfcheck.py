@@ -152,9 +152,13 @@ def _signature(cls: type, name: str) -> inspect.Signature | None:
         if stub is not None:
             return stub
     try:
-        return _plain(inspect.signature(inspect.getattr_static(cls, name)))
+        sig = _plain(inspect.signature(inspect.getattr_static(cls, name)))
     except (TypeError, ValueError, AttributeError):
         return None
+    P = inspect.Parameter
+    if all(p.kind in (P.VAR_POSITIONAL, P.VAR_KEYWORD) for p in list(sig.parameters.values())[1:]):
+        return None  # a slot wrapper's (self, /, *args, **kwargs): says nothing
+    return sig
 
 
 def accepts(vllm_sig: inspect.Signature, kvpool_sig: inspect.Signature) -> bool:

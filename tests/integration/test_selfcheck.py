@@ -305,3 +305,19 @@ def _sig(func) -> inspect.Signature:
 ])
 def test_accepts(theirs, ours, ok):
     assert selfcheck.accepts(_sig(theirs), _sig(ours)) is ok
+
+
+def test_without_the_type_stub_the_extension_s_signatures_are_not_guessed(monkeypatch, compatible):
+    # A build that ships no _core.pyi: the extension's __init__ reads as (self, /, *args,
+    # **kwargs), which says nothing; it must not be reported as a difference.
+    from kvpool import _core
+
+    monkeypatch.setattr(selfcheck, "_STUB", selfcheck._STUB.with_name("no-such-stub.pyi"))
+    selfcheck._stub_functions.cache_clear()
+    try:
+        assert selfcheck._signature(_core.KVCacheBlock, "__init__") is None
+        assert selfcheck.run(*_classes()).ok
+    finally:
+        monkeypatch.undo()
+        selfcheck._stub_functions.cache_clear()
+    assert "_block_hash" in str(selfcheck._signature(_core.KVCacheBlock, "__init__"))
