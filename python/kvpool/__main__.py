@@ -1,4 +1,4 @@
-"""Command line: ``python -m kvpool {replay,locality,conformance,info}``."""
+"""Command line: ``python -m kvpool {replay,locality,conformance,porting,info}``."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "command",
-        choices=["replay", "locality", "conformance", "info"],
+        choices=["replay", "locality", "conformance", "porting", "info"],
         help="replay: workload through vLLM's scheduler, vanilla vs kvpool; "
         "locality: paged attention time per block-table layout (needs torch, not vLLM); "
         "conformance: vLLM's own tests with and without kvpool; "
+        "porting: what kvpool meets in a vLLM release (what binds, the self-check, source diffs); "
         "info: versions, install state and the effective KVPOOL_* settings. "
         "`python -m kvpool COMMAND --help` for a command's options",
     )
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvpool.conformance.cli import main as conformance_main
 
         return conformance_main(rest)
+    if command == "porting":
+        from kvpool.conformance.porting import main as porting_main
+
+        return porting_main(rest)
     if command == "info":
         from kvpool.info import main as info_main
 

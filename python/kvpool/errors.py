@@ -37,6 +37,28 @@ class MissingPatchTargetError(UnsupportedVLLMVersionError):
     forced untested release and raises this on a supported one."""
 
 
+class SelfCheckError(UnsupportedVLLMVersionError):
+    """``install()`` on a vLLM release outside the supported list (forced) ran the
+    self-check (:mod:`kvpool.selfcheck`) and found that release's classes differ from
+    what kvpool's assume; nothing was patched. The message names each difference.
+
+    Attributes:
+        vllm_version: the installed vLLM's version.
+        differences: one line per difference (``"BlockHashToBlockMap.__init__: vLLM
+            takes (self, blocks), kvpool's takes (self)"``).
+    """
+
+    def __init__(self, vllm_version: str, differences: tuple[str, ...] | list[str], kvpool_version: str = ""):
+        self.vllm_version = vllm_version
+        self.differences = tuple(differences)
+        lines = "".join(f"\n  - {d}" for d in self.differences)
+        super().__init__(
+            f"kvpool {kvpool_version} does not install into vLLM {vllm_version}: its self-check found "
+            f"{len(self.differences)} difference(s) between vLLM's block pool classes and what kvpool's "
+            f"assume; nothing was patched (`python -m kvpool porting --vllm-version {vllm_version}` "
+            f"reports them with the source diffs):{lines}")
+
+
 class InvalidSettingError(KvpoolError, ValueError):
     """A ``KVPOOL_*`` variable (or the ``install()`` argument it stands for) has a value
     kvpool does not accept. The message names the variable, the value and the accepted
@@ -72,6 +94,11 @@ class SdistError(KvpoolError, RuntimeError):
     """The sdist could not be found, downloaded or verified."""
 
 
+class PortingError(KvpoolError, RuntimeError):
+    """``python -m kvpool porting`` could not get what its report needs (a vLLM
+    version that is not on the package index, a wheel without the sources)."""
+
+
 class KvpoolInstallError(KvpoolError, RuntimeError):
     """kvpool could not be installed into vLLM for the conformance run."""
 
@@ -86,6 +113,8 @@ __all__ = [
     "ModeUnavailable",
     "NotAKvpoolPoolError",
     "PoolsBuiltBeforeInstallError",
+    "PortingError",
     "SdistError",
+    "SelfCheckError",
     "UnsupportedVLLMVersionError",
 ]

@@ -19,7 +19,10 @@ changes through the :class:`Patcher`, so every change is recorded and undone by
 :func:`uninstall`.
 
 On a vLLM release outside the supported list (``install(force=True)`` or
-``KVPOOL_ALLOW_UNTESTED_VLLM=1``) a patch module whose targets that release lacks is
+``KVPOOL_ALLOW_UNTESTED_VLLM=1``) ``install()`` first runs the self-check of
+:mod:`kvpool.selfcheck` and raises :class:`~kvpool.errors.SelfCheckError`, before
+anything is patched, when that release's classes differ from what kvpool's assume. Past
+it, a patch module whose targets that release lacks is
 rolled back and skipped, with one warning naming it, and the rest installs
 (:func:`skipped_patches`); when the block classes themselves cannot be bound,
 ``install()`` raises :class:`~kvpool.vllm_compat.UnsupportedVLLMVersionError` before
@@ -28,6 +31,7 @@ changing anything.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import inspect
@@ -38,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool import envs
-from kvpool.errors import PoolsBuiltBeforeInstallError
+from kvpool.errors import PoolsBuiltBeforeInstallError, SelfCheckError
 from kvpool.vllm_compat import MissingPatchTargetError, UnsupportedVLLMVersionError, check_vllm_version, is_supported
 
 # Under the "vllm" logger, so vLLM's logging configuration (handler, format, level,
@@ -218,6 +222,11 @@ def install(*, force: bool = False, allocation: str | None = None, lru_window: i
         UnsupportedVLLMVersionError: vLLM is missing or its version is not supported;
             or, on a forced untested version, vLLM's block classes cannot be bound
             (nothing is changed then).
+        SelfCheckError: (an ``UnsupportedVLLMVersionError``) on a forced untested
+            version, the self-check (:mod:`kvpool.selfcheck`: signatures, fields, the
+            map's layout and a scripted run of vLLM's pool beside kvpool's) found a
+            difference; the message names each one, and nothing is changed. Supported
+            versions skip the self-check (their own test suites ran with kvpool).
         ImportError: kvpool's native core is not built.
     """
     global _state
@@ -240,15 +249,7 @@ def install(*, force: bool = False, allocation: str | None = None, lru_window: i
         untested = not is_supported(version)
         if not allow_vllm_built_pools:
             _refuse_pools_built_before_install()
-        try:
-            state = _InstallState(vllm_version=version, vanilla=vanilla_classes())
-            replacements = _replacements()
-        except (ImportError, AttributeError) as e:
-            if not untested:
-                raise
-            raise UnsupportedVLLMVersionError(
-                f"kvpool cannot bind its block classes into untested vLLM {version} ({e}); "
-                "nothing was changed") from e
+        state, replacements = _checked_state(version, untested)
         state.arguments = {envs.ALLOCATION: allocation, envs.LRU_WINDOW: lru_window,
                            envs.ALLOW_UNTESTED_VLLM: True if force else None}
         state.policy = policy
@@ -263,6 +264,58 @@ def install(*, force: bool = False, allocation: str | None = None, lru_window: i
         _allocation.set_policy(policy, window)
         logger.debug("kvpool installed into vLLM %s (allocation=%s, lru_window=%d)", version, policy, window)
         return True
+
+
+def _checked_state(version: str, untested: bool) -> tuple[_InstallState, dict[str, Any]]:
+    """``install()``'s checks before it changes anything: vLLM's and kvpool's classes
+    (an untested release that lacks what kvpool's bind to raises
+    ``UnsupportedVLLMVersionError``), and on an untested release the self-check."""
+    try:
+        state = _InstallState(vllm_version=version, vanilla=vanilla_classes())
+        replacements = _replacements()
+    except (ImportError, AttributeError) as e:
+        if not untested:
+            raise
+        raise UnsupportedVLLMVersionError(
+            f"kvpool cannot bind its block classes into untested vLLM {version} ({e}); "
+            "nothing was changed") from e
+    if untested and not _selfcheck_bypassed:
+        _require_selfcheck(state.vanilla, replacements, version)
+    return state, replacements
+
+
+#: Set only by :func:`selfcheck_bypassed` (the porting report's probe).
+_selfcheck_bypassed = False
+
+
+def _require_selfcheck(vanilla: dict[str, Any], replacements: dict[str, Any], version: str) -> None:
+    """Run :func:`kvpool.selfcheck.run` (before anything is patched); raise
+    :class:`SelfCheckError` naming each difference it finds."""
+    from kvpool import selfcheck
+    from kvpool._version import __version__
+
+    try:
+        result = selfcheck.run(vanilla, replacements)
+    except Exception as e:  # a check that cannot run vouches for nothing
+        raise SelfCheckError(version, [f"the self-check itself raised {type(e).__name__}: {e}"], __version__) from e
+    logger.debug("kvpool: self-check of untested vLLM %s: %d difference(s) in %.1f ms", version,
+                 len(result.differences), result.seconds * 1e3)
+    if not result.ok:
+        raise SelfCheckError(version, result.differences, __version__)
+
+
+@contextlib.contextmanager
+def selfcheck_bypassed():
+    """Within the block, ``install()`` on an untested vLLM skips the self-check (for
+    ``python -m kvpool porting``, which reports what each patch module does on a release
+    the self-check refuses; never for serving)."""
+    global _selfcheck_bypassed
+    with _lock:
+        _selfcheck_bypassed = True
+        try:
+            yield
+        finally:
+            _selfcheck_bypassed = False
 
 
 def vllm_built_pools() -> list[Any]:

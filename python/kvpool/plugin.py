@@ -28,7 +28,9 @@ def register() -> None:
             the way to run without it.
 
     A vLLM version kvpool does not support is logged and left vanilla (no exception),
-    so a production server still starts after a vLLM upgrade; so are block pools that
+    so a production server still starts after a vLLM upgrade; so is an untested version
+    let through with ``KVPOOL_ALLOW_UNTESTED_VLLM=1`` whose self-check fails
+    (``SelfCheckError``, logged with every difference it names); so are block pools that
     vLLM built before its plugins were loaded (``PoolsBuiltBeforeInstallError``: vLLM
     loads plugins before it builds an engine, so only a process that built one by hand
     first meets it).
@@ -52,6 +54,7 @@ def register() -> None:
     try:
         patching.install()
     except (UnsupportedVLLMVersionError, PoolsBuiltBeforeInstallError) as e:
+        # (SelfCheckError is an UnsupportedVLLMVersionError: nothing was patched.)
         logger.warning("kvpool: not activated: %s", e)
         return
     from kvpool import allocation

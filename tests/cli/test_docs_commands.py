@@ -16,6 +16,7 @@ import pytest
 from kvpool import __main__ as kvpool_main
 from kvpool import info
 from kvpool.conformance import cli as conformance_cli
+from kvpool.conformance import porting as porting_cli
 from kvpool.locality import cli as locality_cli
 from kvpool.replay import cli as replay_cli
 
@@ -26,6 +27,7 @@ PARSERS = {
     "replay": replay_cli.build_parser,
     "locality": locality_cli.build_parser,
     "conformance": conformance_cli.build_parser,
+    "porting": porting_cli.build_parser,
     "info": info.build_parser,
 }
 SHELL_OPERATORS = {"|", "||", "&&", ";", ">", ">>", "2>&1", "&"}

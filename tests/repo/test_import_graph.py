@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("allocation",),  # the allocation policy block_pool follows
     ("block_hash_map",),  # the prefix-cache map in the installed release's layout
     ("block_pool",),
-    ("patches",),  # the patch modules: apply(patcher)
+    ("patches", "selfcheck"),  # the patch modules: apply(patcher); the self-check install() runs first
     ("patching",),  # install() / uninstall(), runs the patch modules
     ("", "plugin"),  # the package's public names; the vLLM entry point
     ("cliargs", "hf_offline"),  # helpers of the commands

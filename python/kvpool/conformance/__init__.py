@@ -15,4 +15,7 @@ Modules:
     pytest_install   -- pytest plugin (``-p``) whose import calls ``kvpool.install()``.
     report           -- pure comparison and report logic.
     cli              -- argument parsing and orchestration.
+    matrix           -- one environment per vLLM release (``--vllm-version`` / ``--all``).
+    porting          -- ``python -m kvpool porting``: what binds in a release, the self-check.
+    porting_sources  -- the wheels' sources read with ``ast``, and their diffs.
 """
