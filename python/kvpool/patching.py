@@ -43,7 +43,7 @@ from typing import Any
 
 from kvpool import envs
 from kvpool.errors import PoolsBuiltBeforeInstallError, SelfCheckError
-from kvpool.vllm_compat import MissingPatchTargetError, UnsupportedVLLMVersionError, check_vllm_version, is_supported
+from kvpool.vllm_compat import MissingPatchTargetError, UnsupportedVLLMVersionError, check_vllm_version, is_supported, release_traits
 
 # Under the "vllm" logger, so vLLM's logging configuration (handler, format, level,
 # VLLM_LOGGING_CONFIG_PATH) applies to kvpool's lines as to vLLM's own.
@@ -373,11 +373,19 @@ def _original_class(module, name: str):
     return getattr(module, name)
 
 
+#: What becomes of a pool vLLM built before install() (the refusal's reason).
+_OLD_POOL_OUTCOME = ("which stay vLLM's: that engine would never run kvpool's pool"
+                     if release_traits().block_ids_map else
+                     "which vLLM's code rejects once kvpool's are bound")
+
+
 def _refuse_pools_built_before_install() -> None:
     """Raise :class:`PoolsBuiltBeforeInstallError` while a pool of vLLM's blocks is alive
-    (before anything is patched). Such a pool's ``BlockHashToBlockMap`` asserts that its
-    blocks are the ``KVCacheBlock`` its module names, which ``install()`` rebinds to
-    kvpool's: its next prefix-cache hit or eviction would raise inside vLLM's scheduler."""
+    (before anything is patched). Up to vLLM 0.33.0 such a pool's ``BlockHashToBlockMap``
+    asserts that its blocks are the ``KVCacheBlock`` its module names, which ``install()``
+    rebinds to kvpool's: its next prefix-cache hit or eviction would raise inside vLLM's
+    scheduler. From 0.34.0 (a map of block ids) it keeps working, as vLLM's own pool:
+    ``install()`` would report success while that engine never runs kvpool's."""
     pools = vllm_built_pools()
     if not pools:
         return
@@ -386,7 +394,7 @@ def _refuse_pools_built_before_install() -> None:
         f"kvpool.install() must run before vLLM builds its KV cache: {len(pools)} block "
         f"pool(s) ({', '.join(kinds)}) built without kvpool are alive (an LLM, engine or "
         "Scheduler created before install()). Their blocks and prefix-cache map are vLLM's "
-        "own classes, which vLLM's code rejects once kvpool's are bound. Call "
+        f"own classes, {_OLD_POOL_OUTCOME}. Call "
         "kvpool.install() before building the engine (or let vLLM load kvpool's plugin, "
         "which installs it in every vLLM process first); nothing was changed.")
 

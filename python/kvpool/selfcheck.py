@@ -18,7 +18,9 @@ vLLM's. The check looks at exactly that, on the installed vLLM, without patching
   kvpool's does not.
 * **The prefix-cache map's layout.** kvpool's native code reads and writes
   ``BlockHashToBlockMap._cache`` (a dict whose values are block objects, or dicts of
-  them by ``block_id``); vLLM's own pool, after caching blocks, must have that layout.
+  them by ``block_id``; from vLLM 0.34.0 block ids, duplicates in ``_dup_ids``); vLLM's
+  own pool, after caching blocks, must have the layout of the release whose traits
+  kvpool applies.
 * **Contracts.** vLLM's own ``BlockPool`` and kvpool's (16 blocks of 4 tokens, prefix
   caching and KV cache events on, kvpool not installed) run one scripted sequence
   (:func:`_script`: ``get_new_blocks``, ``cache_full_blocks`` of real ``Request``
@@ -45,18 +47,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpool.vllm_compat import release_traits
+
+_TRAITS = release_traits()
+
 #: Fields of ``KVCacheBlock`` kvpool's extension reads and writes by name
-#: (``src/kvpool/block.pxi``, ``alloc.pxi``, ``free.pxi``, ``manager.pxi``, ...).
+#: (``src/kvpool/block.pxi``, ``alloc.pxi``, ``free.pxi``, ``manager.pxi``, ...), under the
+#: names of the release whose traits kvpool applies (the nearest it knows).
 NATIVE_BLOCK_FIELDS: tuple[str, ...] = (
-    "block_id", "ref_cnt", "_block_hash", "_block_hash_num_tokens",
+    "block_id", "ref_cnt",
+    *(("block_hash", "block_hash_num_tokens") if _TRAITS.public_block_hash
+      else ("_block_hash", "_block_hash_num_tokens")),
     "prev_free_block", "next_free_block", "is_null",
 )
 
 #: vLLM definitions kvpool's classes inherit rather than define, with the arguments
 #: kvpool's code calls them with: kvpool's ``BlockPool`` builds its prefix-cache map
-#: as ``BlockHashToBlockMap()`` (``__init__`` and ``reset_prefix_cache``).
+#: as ``BlockHashToBlockMap()``, or ``BlockHashToBlockMap(blocks)`` where the map stores
+#: block ids (``kvpool.block_hash_map.new_map``).
 INHERITED_CALLS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("BlockHashToBlockMap", "__init__"): ("self",),
+    ("BlockHashToBlockMap", "__init__"): ("self", "blocks") if _TRAITS.block_ids_map else ("self",),
 }
 
 #: Classes kvpool replaces with its own types / subclasses.
@@ -165,15 +175,24 @@ def accepts(vllm_sig: inspect.Signature, kvpool_sig: inspect.Signature) -> bool:
     """True when every call ``vllm_sig`` binds, ``kvpool_sig`` binds to the same
     parameter names: each of vLLM's parameters is kvpool's too, of a kind that takes
     it the same way (at the same position when it can be passed by position, by name
-    when it can be passed by name), with a default where vLLM's has one; kvpool's
-    other parameters have defaults."""
+    when it can be passed by name; a defaulted positional parameter may have another
+    name at that position when kvpool takes vLLM's name as a keyword-only alias), with a
+    default where vLLM's has one; kvpool's other parameters have defaults."""
     P = inspect.Parameter
     ours = kvpool_sig.parameters
     our_positional = [p.name for p in ours.values() if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
     their_positional = [p.name for p in vllm_sig.parameters.values()
                         if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
-    if our_positional[:len(their_positional)] != their_positional:
+    if len(our_positional) < len(their_positional):
         return False
+    for mine, theirs in zip(our_positional, their_positional):
+        # A positional parameter under another name: accepted where both have defaults
+        # and kvpool takes vLLM's name as a keyword alias (KVCacheBlock's
+        # ``_block_hash`` / ``block_hash``, one release's name and the other's).
+        if mine != theirs and not (ours[mine].default is not P.empty
+                                   and vllm_sig.parameters[theirs].default is not P.empty
+                                   and theirs in ours and ours[theirs].kind == P.KEYWORD_ONLY):
+            return False
     for p in vllm_sig.parameters.values():
         if p.kind in (P.VAR_POSITIONAL, P.VAR_KEYWORD):
             if p.kind not in [q.kind for q in ours.values()]:
@@ -353,18 +372,22 @@ def _run_script(cls, requests) -> tuple[list[tuple[str, Any]], Any]:
 
 def _layout(vanilla: dict[str, Any], request) -> list[str]:
     """kvpool's native code reads ``cached_block_hash_to_block._cache`` values as block
-    objects or ``{block_id: block}`` dicts; vLLM's own pool, with three blocks of
-    ``request`` cached, must keep them that way."""
+    objects or ``{block_id: block}`` dicts, or, where the map stores block ids
+    (``VllmRelease.block_ids_map``), as ints beside a ``_dup_ids`` dict; vLLM's own pool,
+    with three blocks of ``request`` cached, must keep them that way."""
     block_cls = vanilla["KVCacheBlock"]
     try:
         pool = vanilla["BlockPool"](NUM_BLOCKS, True, BLOCK_SIZE)
         pool.cache_full_blocks(request, pool.get_new_blocks(3), 0, 3, BLOCK_SIZE, 0)
     except Exception as e:
         return [f"BlockHashToBlockMap layout: vLLM's BlockPool could not cache 3 blocks ({type(e).__name__}: {e})"]
-    cache = getattr(getattr(pool, "cached_block_hash_to_block", None), "_cache", None)
+    hash_map = getattr(pool, "cached_block_hash_to_block", None)
+    cache = getattr(hash_map, "_cache", None)
     if not isinstance(cache, dict):
         return [f"BlockHashToBlockMap layout: vLLM's map has no dict _cache (a {type(cache).__name__}); "
                 "kvpool's native code reads and writes it"]
+    if _TRAITS.block_ids_map:
+        return _ids_layout(hash_map, cache)
     for value in cache.values():
         inner = list(value.items()) if type(value) is dict else [(None, value)]
         for key, block in inner:
@@ -372,6 +395,18 @@ def _layout(vanilla: dict[str, Any], request) -> list[str]:
                 return [f"BlockHashToBlockMap layout: vLLM's map stores {type(value).__name__} values in _cache"
                         + (f" ({{{type(key).__name__}: {type(block).__name__}}})" if key is not None else "")
                         + "; kvpool's native code reads and writes KVCacheBlock objects (or {block_id: KVCacheBlock} dicts)"]
+    return []
+
+
+def _ids_layout(hash_map, cache: dict) -> list[str]:
+    """The block-ids layout (vLLM >= 0.34.0): int values, a dict ``_dup_ids``."""
+    if type(getattr(hash_map, "_dup_ids", None)) is not dict or not hasattr(hash_map, "_blocks"):
+        return ["BlockHashToBlockMap layout: vLLM's map has no dict _dup_ids or no _blocks; kvpool's native "
+                "code reads and writes _cache (block ids) and _dup_ids"]
+    for value in cache.values():
+        if type(value) is not int:
+            return [f"BlockHashToBlockMap layout: vLLM's map stores {type(value).__name__} values in _cache; "
+                    "kvpool's native code reads and writes block ids"]
     return []
 
 

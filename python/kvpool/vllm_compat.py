@@ -55,6 +55,9 @@ class VllmRelease:
         prefix_cache_hit_limit: a request's prefix-cache reads are bounded by
             ``Request.prefix_cache_hit_limit`` / ``get_max_cache_hit_length()``
             (>= 0.34.0). Before, ``Request.skip_reading_prefix_cache`` switches them off.
+        eviction_hook_hashed_only: ``get_new_blocks`` calls ``_maybe_evict_cached_block``
+            only for blocks with a hash (without a metrics collector; >= 0.34.0), as
+            kvpool's native loop does on every release. Before, for every block.
         runner_output_index: ``ModelRunnerOutput`` has ``req_id_to_index`` and
             ``CachedRequestData`` has ``resumed_req_ids`` (up to 0.33.0; the replay's
             stand-in model builds the one, the tests read the other).
@@ -67,6 +70,7 @@ class VllmRelease:
     public_block_hash: bool = False
     free_blocks_evict_first: bool = False
     prefix_cache_hit_limit: bool = False
+    eviction_hook_hashed_only: bool = False
     runner_output_index: bool = True
 
 
@@ -81,13 +85,13 @@ VLLM_RELEASES: dict[str, VllmRelease] = {
         VllmRelease("0.34.0", all_engine_utility_call=True, block_ids_map=True,
                     weak_block_pool=True, public_block_hash=True,
                     free_blocks_evict_first=True, prefix_cache_hit_limit=True,
-                    runner_output_index=False),
+                    eviction_hook_hashed_only=True, runner_output_index=False),
     )
 }
 
 #: vLLM versions whose own test suite passes with kvpool installed, zero regressions
 #: (``python -m kvpool conformance --vllm-version X``, docs/conformance.md).
-SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
+SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
 
 #: Set to 1 to let ``install()`` patch a vLLM version that is not in the list above.
 ALLOW_UNTESTED_ENV = envs.ALLOW_UNTESTED_VLLM

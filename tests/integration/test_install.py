@@ -86,7 +86,7 @@ def test_scheduler_built_after_install_uses_kvpool(installed):
 SUPPORTED_NAMED = ", ".join(vllm_compat.SUPPORTED_VLLM_VERSIONS)
 
 
-@pytest.mark.parametrize("version", ["0.29.0", "0.34.0"])
+@pytest.mark.parametrize("version", ["0.29.0", "0.35.0"])
 def test_unsupported_vllm_version_is_refused_naming_the_supported_ones(monkeypatch, version):
     monkeypatch.setattr(vllm_compat, "installed_vllm_version", lambda: version)
     with pytest.raises(vllm_compat.UnsupportedVLLMVersionError) as excinfo:
@@ -102,7 +102,7 @@ def test_unsupported_vllm_version_is_refused_naming_the_supported_ones(monkeypat
 
 def test_every_supported_version_is_a_release_of_the_matrix():
     assert set(vllm_compat.SUPPORTED_VLLM_VERSIONS) <= set(vllm_compat.VLLM_RELEASES)
-    assert vllm_compat.release_traits("0.34.0") is vllm_compat.VLLM_RELEASES["0.33.0"]
+    assert vllm_compat.release_traits("0.35.0") is vllm_compat.VLLM_RELEASES["0.34.0"]
     assert vllm_compat.release_traits("0.29.0") is vllm_compat.VLLM_RELEASES["0.30.0"]
     assert vllm_compat.release_traits("0.31.0+cpu") is vllm_compat.VLLM_RELEASES["0.31.0"]
 

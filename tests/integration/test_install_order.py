@@ -85,13 +85,25 @@ def test_install_refuses_after_an_engine_core_was_built(monkeypatch):
 
 def test_without_the_refusal_the_old_pool_breaks_inside_vllm(monkeypatch):
     """Why install() refuses: forced past the check, the scheduler built before it fails
-    at its next prefix-cache hit with vLLM's own assertion."""
+    at its next prefix-cache hit with vLLM's own assertion (vLLM 0.30.0-0.33.0), or
+    (0.34.0, whose map of block ids reads no block type) keeps running vLLM's own pool
+    while install() reported success."""
+    from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
+
+    from kvpool.block_pool import BlockPool
+    from kvpool.vllm_compat import release_traits
+
     scheduler = make_scheduler(num_blocks=40)
     _round(scheduler, "a")
     monkeypatch.setattr(patching, "_refuse_pools_built_before_install", lambda: None)
-    kvpool.install()
-    with pytest.raises(AssertionError, match="Invalid KV cache block type"):
-        _round(scheduler, "b", n=6)
+    assert kvpool.install() is True
+    if not release_traits().block_ids_map:
+        with pytest.raises(AssertionError, match="Invalid KV cache block type"):
+            _round(scheduler, "b", n=6)
+        return
+    _round(scheduler, "b", n=6)
+    pool = scheduler.kv_cache_manager.block_pool
+    assert type(pool) is VllmBlockPool and not isinstance(pool, BlockPool)
 
 
 def test_unreachable_pools_do_not_count():

@@ -187,6 +187,8 @@ _UNREACHED = {
     "_build_block_stored_event": "KV events only: the native caching runs with events off",
     "_generate_event_extra_keys": "KV events only",
     "_lookahead_token_ids": "KV events only",
+    "generate_event_extra_keys": "KV events only (vLLM >= 0.34.0's name)",
+    "get_lookahead_token_ids": "KV events only (vLLM >= 0.34.0's name)",
 }
 
 

@@ -436,7 +436,12 @@ def test_a_subclass_eviction_hook_sees_every_allocated_block_like_vllm():
         pool = Hooked(16, True, 16)
         pool.free_blocks(reversed(pool.get_new_blocks(5)))
         pool.get_new_blocks(7)
-    assert seen[BlockPool] == seen[VllmBlockPool] == [1, 2, 3, 4, 5, 5, 4, 3, 2, 1, 6, 7]
+    # vLLM 0.30.0-0.33.0 call the hook for every block handed out, 0.34.0 only for
+    # hashed ones (none here): kvpool's subclass sees what vLLM's does.
+    from kvpool.vllm_compat import release_traits
+
+    expected = [] if release_traits().eviction_hook_hashed_only else [1, 2, 3, 4, 5, 5, 4, 3, 2, 1, 6, 7]
+    assert seen.get(BlockPool, []) == seen.get(VllmBlockPool, []) == expected
 
 
 # --- findings of a third break-it session (re-entrancy through Python code) -----------
