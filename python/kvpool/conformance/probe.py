@@ -35,10 +35,10 @@ try:
         kvpool.uninstall()
 except Exception as e:
     out["error"] = f"{type(e).__name__}: {e}"
-print("KVPOOL_PROBE " + json.dumps(out))
+print("kvpool-probe: " + json.dumps(out))
 """
 
-_MARK = "KVPOOL_PROBE "
+_MARK = "kvpool-probe: "
 PROBE_TIMEOUT_S = 300
 
 
