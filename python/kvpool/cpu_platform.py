@@ -81,9 +81,10 @@ def _check_without_triton(check: Any, vllm_config: Any) -> None:
     finally:
         triton_utils.HAS_TRITON = had
         for name in set(sys.modules) - before:
-            module = sys.modules.get(name)
-            if module is not None and vars(module).get("HAS_TRITON") is True:
-                module.HAS_TRITON = had
+            # (sys.modules may hold objects other than modules, without a __dict__)
+            namespace = getattr(sys.modules.get(name), "__dict__", None)
+            if isinstance(namespace, dict) and namespace.get("HAS_TRITON") is True:
+                namespace["HAS_TRITON"] = had
 
 
 def _build_platform_class() -> type:
