@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+from kvpool.cpu_platform import cpu_environment
+
+cpu_environment(os.environ)  # vLLM's CPU platform via kvpool's platform plugin
 
 
 def pytest_configure(config):

@@ -82,13 +82,15 @@ def step_shares(raw_lines, top: int = 12) -> dict:
 
 def profile(mode: str, workload: str, rounds: int, rate: int, out: Path) -> Path:
     """Record one replay of ``mode`` with py-spy; returns the raw file."""
+    from kvpool.cpu_platform import cpu_environment  # vLLM's CPU platform via kvpool's plugin
+
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     raw = out / f"{mode.replace('+', '_')}.txt"
     cmd = [py_spy, "record", "--rate", str(rate), "--format", "raw", "--output", str(raw), "--",
            sys.executable, "-m", "kvpool", "replay", "--workload", workload, "--modes", mode,
            "--rounds", str(rounds), "--no-plot", "--quiet"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
-                   env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"))
+                   env=cpu_environment(dict(os.environ)))
     return raw
 
 

@@ -22,7 +22,7 @@ tag="$(.venv/bin/python -c 'import sys; print(f"cp{sys.version_info[0]}{sys.vers
 KVPOOL_WHEEL_ARCHS=x86_64 bash scripts/build-wheel.sh "$(.venv/bin/python -c 'import sys; print(sys._base_executable)')"
 wheel="$(ls -t wheelhouse/kvpool-*-"$tag"-"$tag"-*manylinux_2_28_x86_64.whl | head -1)"
 KVPOOL_VENV=.venv-wheel KVPOOL_WHEEL="$wheel" bash scripts/bootstrap.sh
-export VLLM_TARGET_DEVICE=cpu
+use_cpu_platform
 mkdir -p .ci-out
 for venv in .venv .venv-wheel; do
   "$venv/bin/python" -c 'import kvpool._core as c, sys; print(sys.argv[1], "->", c.__file__)' "$venv"

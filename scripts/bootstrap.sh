@@ -16,7 +16,7 @@
 # below (see docs/development.md). On a GPU host, install kvpool into the vLLM that
 # is already there instead (`pip install .`): it needs neither torch nor vLLM to build.
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-export VLLM_TARGET_DEVICE="${VLLM_TARGET_DEVICE:-cpu}"
+use_cpu_platform
 PY="${PYTHON:-python3}"
 VLLM_VERSION="${KVPOOL_VLLM_VERSION:-0.33.0}"
 TORCH_VERSION="${KVPOOL_TORCH_VERSION:-2.13.0}"

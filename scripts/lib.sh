@@ -13,6 +13,15 @@ ensure_dev_venv() {
   [ -x .venv/bin/python ] || bash scripts/bootstrap.sh
 }
 
+# vLLM's CPU platform for kvpool's CPU runs (tests, replay, vLLM's suites): kvpool's opt-in
+# platform plugin (kvpool.cpu_platform: vLLM's CpuPlatform whose config check does not require
+# triton-cpu, which vLLM 0.34.0 demands on x86). vLLM consults platform plugins only when
+# VLLM_TARGET_DEVICE is not cpu, so that variable goes.
+use_cpu_platform() {
+  export KVPOOL_CPU_PLATFORM="${KVPOOL_CPU_PLATFORM:-1}"
+  if [ "${VLLM_TARGET_DEVICE:-}" = cpu ]; then unset VLLM_TARGET_DEVICE; fi
+}
+
 # chroot_mount ROOT: prepare the Debian chroot ROOT (debootstrap made it) for a run of
 # this checkout: the host's CA bundle and resolver, the checkout bind-mounted at the same
 # path, /proc and /dev; unmounted again when the script exits.

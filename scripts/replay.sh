@@ -4,5 +4,5 @@
 # Arguments go to `python -m kvpool replay` (default: the RFC's GRPO workload).
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 bash scripts/bootstrap.sh
-export VLLM_TARGET_DEVICE=cpu
+use_cpu_platform
 exec .venv/bin/python -m kvpool replay "$@"

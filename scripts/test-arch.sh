@@ -64,7 +64,7 @@ if [ -n "${KVPOOL_IN_CHROOT:-}" ]; then
   venv=/opt/kvpool-venv
   step "environment $venv (scripts/bootstrap.sh with the wheel)"
   KVPOOL_VENV="$venv" PYTHON="$py" KVPOOL_WHEEL="$wheel" bash scripts/bootstrap.sh
-  export VLLM_TARGET_DEVICE=cpu
+  use_cpu_platform
   "$venv/bin/python" -c 'import kvpool, platform; assert "site-packages" in kvpool.__file__, kvpool.__file__; print("kvpool from", kvpool.__file__, "on", platform.machine())'
   step "kvpool's suite"
   # tests/native/test_cpp_core.py builds the C++ core tests with ASan, which qemu-user cannot

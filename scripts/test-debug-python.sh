@@ -16,7 +16,7 @@
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 short=0
 [ "${1:-}" = "--short" ] && short=1
-export VLLM_TARGET_DEVICE=cpu
+use_cpu_platform
 
 if ! command -v python3.11-dbg >/dev/null; then
   sudo=""; [ "$(id -u)" -ne 0 ] && sudo=sudo

@@ -66,7 +66,7 @@ tag="cp${ver/./}"
 KVPOOL_WHEEL_ARCHS="${KVPOOL_WHEEL_ARCHS:-$(uname -m)}" bash scripts/build-wheel.sh "$py"
 wheel="$(ls -t wheelhouse/kvpool-*-"$tag"-"$tag"-*manylinux*"$(uname -m)".whl | head -1)"
 KVPOOL_VENV="$venv" PYTHON="$py" KVPOOL_WHEEL="$wheel" bash scripts/bootstrap.sh
-export VLLM_TARGET_DEVICE=cpu
+use_cpu_platform
 # Outside the checkout's python/: the suite imports the installed wheel.
 "$venv/bin/python" -c 'import kvpool, sys; assert "site-packages" in kvpool.__file__, kvpool.__file__; print("kvpool from", kvpool.__file__, "on", sys.version.split()[0])'
 "$venv/bin/python" -m pytest tests -q -p no:cacheprovider "$@"

@@ -13,7 +13,7 @@
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 short=0
 [ "${1:-}" = "--short" ] && short=1
-export VLLM_TARGET_DEVICE=cpu
+use_cpu_platform
 ensure_dev_venv
 
 base_python="$(.venv/bin/python -c 'import sys; print(sys._base_executable)')"

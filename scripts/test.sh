@@ -6,7 +6,7 @@
 # forms of the debug-interpreter and sanitizer runs (docs/native-checks.md).
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 bash scripts/bootstrap.sh
-export VLLM_TARGET_DEVICE=cpu
+use_cpu_platform
 mkdir -p .ci-out
 py=.venv/bin/python
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+from kvpool.cpu_platform import cpu_environment
+
+# vLLM's CPU platform through kvpool's opt-in platform plugin (vLLM 0.34.0's own raises on
+# an x86 CPU without triton-cpu); child processes inherit it.
+cpu_environment(os.environ)
 
 import pytest
 

@@ -6,7 +6,7 @@ plugin and the CLIs read their settings through it, so any layer can use it.
 
 One parsing rule for every variable of a kind:
 
-* **switches** (``KVPOOL_DISABLE``, ``KVPOOL_REORDER_ON_RESET``, ...): on is ``1``,
+* **switches** (``KVPOOL_DISABLE``, ``KVPOOL_REORDER_ON_RESET``, ``KVPOOL_CPU_PLATFORM``, ...): on is ``1``,
   ``true``, ``yes``, ``on``; off is ``0``, ``false``, ``no``, ``off`` or unset/empty;
   case-insensitive, surrounding blanks ignored. Anything else (``2``, ``foo``) is an
   :class:`InvalidSettingError`, never read as off.
@@ -50,6 +50,7 @@ METRICS_INTERVAL_S = "KVPOOL_METRICS_INTERVAL_S"
 PYTHON_MANAGER = "KVPOOL_PYTHON_MANAGER"
 CACHE_DIR = "KVPOOL_CACHE_DIR"
 INDEX_URL = "KVPOOL_INDEX_URL"
+CPU_PLATFORM = "KVPOOL_CPU_PLATFORM"
 # Read by scripts/bootstrap.sh; conformance's matrix sets them for it.
 VLLM_VERSION = "KVPOOL_VLLM_VERSION"
 VENV = "KVPOOL_VENV"
@@ -157,6 +158,9 @@ VARIABLES: dict[str, Variable] = {
                  "(off: a running request's allocate_slots runs natively where it can)"),
         Variable(METRICS_INTERVAL_S, "seconds", 1.0,
                  "seconds between two reads of the pool's fragmentation stats in the engine core"),
+        Variable(CPU_PLATFORM, "switch", False,
+                 "vLLM's platform is kvpool.cpu_platform (vLLM's CPU platform whose config check does "
+                 "not require triton-cpu; VLLM_TARGET_DEVICE must not be cpu); only for CPU machines"),
         Variable(CACHE_DIR, "text", "~/.cache/kvpool",
                  "conformance: where vLLM sdists are downloaded"),
         Variable(INDEX_URL, "text", None,

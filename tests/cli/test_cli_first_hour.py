@@ -16,6 +16,7 @@ import pytest
 
 from kvpool.replay import cli as replay_cli
 from kvpool.replay import report
+from kvpool.cpu_platform import cpu_environment
 
 from tests.support.paths import REPO
 
@@ -96,7 +97,7 @@ def test_replay_writes_its_json_with_the_verdict_before_the_plot_can_fail(tmp_pa
 
 def test_replay_cli_ends_with_the_verdict_and_writes_the_plot_by_default(tmp_path):
     pytest.importorskip("vllm")
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    env = cpu_environment(dict(os.environ))
     env.pop("COLUMNS", None)
     proc = subprocess.run([sys.executable, "-m", "kvpool", "replay", *SMALL, "--modes", "vanilla,kvpool+reorder"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

@@ -17,6 +17,7 @@ import pytest
 
 from kvpool.locality import layouts, replay_tables
 from kvpool.replay import metrics
+from kvpool.cpu_platform import cpu_environment
 
 from tests.support.paths import REPO
 
@@ -105,7 +106,7 @@ def test_shipped_replay_tables_are_small_and_show_the_scramble():
 def test_replay_save_tables_output_loads_as_replay_layouts(tmp_path):
     pytest.importorskip("vllm")
     out = tmp_path / "replay.json"
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    env = cpu_environment(dict(os.environ))
     cmd = [sys.executable, "-m", "kvpool", "replay", "--no-progress", "--quiet", "--modes", "vanilla",
            "--num-blocks", "800", "--block-size", "16", "--rounds", "4", "--prompt-len", "2000,3000",
            "--output-len", "40,160", "--seed", "3", "--save-tables", "--json", str(out)]

@@ -19,6 +19,7 @@ import pytest
 
 import kvpool
 from kvpool.replay import metrics, traces, workloads
+from kvpool.cpu_platform import cpu_environment
 from kvpool.replay.modes import MODES, kvpool_unavailable_reason, mode_unavailable_reason
 
 from tests.support.paths import REPO
@@ -131,8 +132,7 @@ def test_kvpool_modes_are_reported_skipped_when_kvpool_is_not_importable(monkeyp
 
 def _replay(tmp_path: Path, *args: str, modes=MODES) -> dict:
     out = tmp_path / "report.json"
-    env = dict(os.environ)
-    env["VLLM_TARGET_DEVICE"] = "cpu"
+    env = cpu_environment(dict(os.environ))
     # The kvpool this test imported (the checkout's python/ when editable, site-packages
     # when installed from a wheel): a plain install has no _core in python/kvpool.
     env["PYTHONPATH"] = os.pathsep.join([str(Path(kvpool.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
@@ -284,7 +284,7 @@ def test_long_sequential_without_prefix_caching_alternates_direction(tmp_path):
 
 
 def test_a_workload_that_cannot_fit_the_pool_is_an_error_not_a_hang():
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    env = cpu_environment(dict(os.environ))
     cmd = [sys.executable, "-m", "kvpool", "replay", "--num-blocks", "2000", "--rounds", "1",
            "--modes", "kvpool", "--scale", "0.05", "--no-progress"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

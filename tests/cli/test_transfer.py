@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvpool
+from kvpool.cpu_platform import cpu_environment
 from kvpool.patches import metrics as pool_metrics
 from kvpool.replay import metrics, report
 from kvpool.replay.modes import mode_unavailable_reason
@@ -216,7 +217,7 @@ def test_descriptor_metrics_reach_vllms_metrics_route_from_a_real_scheduler():
     """tests/integration/metrics_harness.py (vLLM's scheduler on kvpool's pool, msgpack, vLLM's
     StatLoggerManager, the /metrics route): the counters carry the snapshot's values."""
     _kvpool_pool_or_skip()
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    env = cpu_environment(dict(os.environ))
     env["PYTHONPATH"] = os.pathsep.join([str(Path(kvpool.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, str(REPO / "tests" / "integration" / "metrics_harness.py"), "kvpool"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -237,7 +238,7 @@ def test_descriptor_metrics_reach_vllms_metrics_route_from_a_real_scheduler():
 
 def _replay(tmp_path: Path, *args: str, modes: tuple[str, ...]) -> dict:
     out = tmp_path / "report.json"
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    env = cpu_environment(dict(os.environ))
     env["PYTHONPATH"] = os.pathsep.join([str(Path(kvpool.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "kvpool", "replay", "--no-progress", "--quiet", "--no-plot",
            "--modes", ",".join(modes), "--json", str(out), *args]

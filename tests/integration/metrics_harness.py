@@ -23,7 +23,9 @@ import json
 import os
 import sys
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+from kvpool.cpu_platform import cpu_environment
+
+cpu_environment(os.environ)
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 # One read at the first step, then none until the harness's own make_stats() (which
 # clears the deadline): that read's table window covers the whole round.

@@ -25,6 +25,7 @@ import pytest
 from kvpool.conformance import cli, report, sdist, suites, workdir
 from kvpool.conformance.report import RunResult
 from kvpool.conformance.suites import Exclusion
+from kvpool.cpu_platform import cpu_environment
 from kvpool.hf_offline import CONFIG_ROOT, materialize_hf_cache, offline_env, shipped_models
 
 from tests.support.paths import REPO
@@ -177,11 +178,12 @@ def test_pytest_command_loads_install_plugin_first_only_in_kvpool_mode(tmp_path)
 
 
 def test_run_environment_is_offline_cpu_and_disables_kvpool_only_in_vanilla(tmp_path):
-    base = {"PATH": "/bin", "HF_HUB_OFFLINE": "0"}
+    base = {"PATH": "/bin", "HF_HUB_OFFLINE": "0", "VLLM_TARGET_DEVICE": "cpu"}
     vanilla = workdir.run_environment(base, tmp_path, "vanilla")
     kvpool = workdir.run_environment({**base, "KVPOOL_DISABLE": "1"}, tmp_path, "kvpool")
     for env in (vanilla, kvpool):
-        assert env["VLLM_TARGET_DEVICE"] == "cpu"
+        # kvpool's CPU platform plugin; VLLM_TARGET_DEVICE=cpu would keep vLLM from consulting it
+        assert env["KVPOOL_CPU_PLATFORM"] == "1" and "VLLM_TARGET_DEVICE" not in env
         assert env["HF_HUB_OFFLINE"] == "1" and env["HF_HOME"] == str(tmp_path)
     assert vanilla["KVPOOL_DISABLE"] == "1"
     assert "KVPOOL_DISABLE" not in kvpool
@@ -642,7 +644,7 @@ def test_text_model_configs_resolve_through_vllm_model_config(tmp_path):
         """
     )
     names = ["facebook/opt-125m", "facebook/opt-350m", "Qwen/Qwen1.5-7B", "Qwen/Qwen3-0.6B"]
-    env = {**os.environ, **offline_env(hf_home), "VLLM_TARGET_DEVICE": "cpu"}
+    env = cpu_environment({**os.environ, **offline_env(hf_home)})
     proc = subprocess.run([sys.executable, "-c", code, *names], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [ln.split()[0] for ln in proc.stdout.splitlines() if ln.strip()][-4:] == names

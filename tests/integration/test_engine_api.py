@@ -29,7 +29,9 @@ from contextlib import contextmanager
 
 import pytest
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+from kvpool.cpu_platform import cpu_environment  # noqa: E402
+
+cpu_environment(os.environ)
 
 from kvpool import patching  # noqa: E402
 from kvpool.block_pool import REORDER_ON_RESET_ENV  # noqa: E402

@@ -16,6 +16,8 @@ import textwrap
 
 import pytest
 
+from kvpool.cpu_platform import cpu_environment
+
 from tests.support.paths import REPO
 
 SCRIPT = """
@@ -45,7 +47,8 @@ finally:
 @pytest.mark.slow  # starts an engine-core process
 def test_engine_core_started_by_vllm_runs_kvpool_and_llm_reorders_it():
     env = {k: v for k, v in os.environ.items() if k not in ("KVPOOL_DISABLE", "VLLM_PLUGINS", "KVPOOL_REORDER_ON_RESET")}
-    env.update(VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_TARGET_DEVICE="cpu")
+    env.update(VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    cpu_environment(env)
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(SCRIPT.format(repo=str(REPO)))],
         capture_output=True, text=True, env=env, timeout=600,

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvpool
 from kvpool.patches import metrics
+from kvpool.cpu_platform import cpu_environment
 
 from tests.support.paths import REPO
 
@@ -44,7 +45,7 @@ def _samples(text: str) -> dict[str, dict[str, object]]:
 
 
 def _harness(*args: str, disable_plugin: bool) -> dict:
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    env = cpu_environment(dict(os.environ))
     env["PYTHONPATH"] = os.pathsep.join([str(Path(kvpool.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     if disable_plugin:
         env["KVPOOL_DISABLE"] = "1"

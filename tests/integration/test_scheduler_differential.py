@@ -45,6 +45,8 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.cpu_platform import cpu_environment
+
 from tests.support.paths import REPO
 
 # Two child processes for a few seconds at least: not for the sanitizer / debug-interpreter subsets.
@@ -109,7 +111,8 @@ class Side:
 
     def __init__(self, side: str, steps: int, seed: int, *extra: str) -> None:
         env = {k: v for k, v in os.environ.items() if k not in PLACEMENT_SETTINGS}
-        env.update(VLLM_TARGET_DEVICE="cpu", PYTHONHASHSEED=str(seed % 2**32))  # same set order both sides
+        env.update(PYTHONHASHSEED=str(seed % 2**32))  # same set order both sides
+        cpu_environment(env)
         if side == "vanilla":
             env["KVPOOL_DISABLE"] = "1"  # kvpool's vLLM plugin must not install it there
         self.stderr = tempfile.TemporaryFile(mode="w+")

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.cpu_platform import cpu_environment
+
 # The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
 pytestmark = [pytest.mark.sanitizer, pytest.mark.debug, pytest.mark.slow]
 
@@ -51,8 +53,7 @@ def child_env(shim: Path) -> dict[str, str]:
         env["ASAN_OPTIONS"] = env.get("ASAN_OPTIONS", "") + ":verify_asan_link_order=0"
     env["PYTHONMALLOC"] = "malloc"  # every Python object from malloc, so failable
     env["KVPOOL_FAILMALLOC"] = str(shim)
-    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    return env
+    return cpu_environment(env)
 
 
 def run_sweep(shim: Path, *operations: str) -> subprocess.CompletedProcess:

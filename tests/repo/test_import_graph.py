@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("block_pool",),
     ("patches", "selfcheck"),  # the patch modules: apply(patcher); the self-check install() runs first
     ("patching",),  # install() / uninstall(), runs the patch modules
-    ("", "plugin"),  # the package's public names; the vLLM entry point
+    ("", "plugin", "cpu_platform"),  # the package's public names; the vLLM entry points
     ("cliargs", "hf_offline"),  # helpers of the commands
     ("info", "conformance", "replay"),  # python -m kvpool info / conformance / replay
     ("locality",),  # python -m kvpool locality (reads replay's tables)

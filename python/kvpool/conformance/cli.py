@@ -26,6 +26,7 @@ from importlib import metadata
 from pathlib import Path
 
 from kvpool import cliargs
+from kvpool.conformance import probe
 from kvpool.conformance import report as rpt
 from kvpool.conformance import sdist as sd
 from kvpool.conformance import suites as st
@@ -267,9 +268,12 @@ def _extract_suites(args: argparse.Namespace, vllm_version: str, suites: list[st
         shutil.rmtree(src_root)
     try:
         tarball = args.sdist or sd.fetch_sdist(vllm_version, index_url=args.index_url)
-        sd.extract_tests(Path(tarball), src_root)
+        sd.extract_tests(Path(tarball), src_root, (*sd.EXTRACT_MEMBERS, *st.data_files(vllm_version)))
     except (sd.SdistError, tarfile.TarError, OSError) as e:
         raise _SetupFailed(f"conformance: {e}") from e
+    absent = [f for f in st.data_files(vllm_version) if not (src_root / f).is_file()]
+    if absent:  # the tests that read them fail, in both runs
+        print(f"conformance: data files not in the vLLM {vllm_version} sdist: {', '.join(absent)}", flush=True)
     missing = [s for s in suites if not (src_root / s.split("::", 1)[0]).exists()]
     if missing and not args.suite:
         # A default suite an older release does not have yet: run the others.
@@ -295,6 +299,7 @@ def _run(args: argparse.Namespace, vllm_version: str, suites: list[str], modes: 
         f"{len(suites)} suite(s), {len(exclusions)} exclusion(s), modes: {', '.join(modes)}",
         flush=True,
     )
+    native = probe.native_manager_probe(wd.run_environment(dict(os.environ), hf_home, "kvpool"))
     runs = []
     for mode in modes:
         outcomes_path = workdir / f"{mode}.json"
@@ -319,6 +324,11 @@ def _run(args: argparse.Namespace, vllm_version: str, suites: list[str], modes: 
             "keyword": args.keyword,
             "total_wall_s": round(time.monotonic() - t0, 1),
             "workdir": str(workdir) if keep else None,
+            # kvpool.install() in this environment (conformance.probe): the native
+            # manager path bound or not, and the mirrored vLLM sources' sha256.
+            "native_manager_path": native["native_manager_path"],
+            "mirrored_fingerprint": native["mirrored_fingerprint"],
+            "native_manager_probe_error": native["error"],
             "pytest": {
                 run.mode: {
                     "argv": run.cmd[1:],
@@ -344,13 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     status = _other_vllm(args, argv)
     if status is not None:
         return status
-    suites = [s.rstrip("/") for s in (args.suite or st.DEFAULT_SUITES)]
     modes = list(MODES) if args.mode == "both" else [args.mode]
     try:
         vllm_version = _vllm_version()
     except metadata.PackageNotFoundError:
         print("conformance: vLLM is not installed in this interpreter", file=sys.stderr)
         return EXIT_SETUP_FAILED
+    suites = [s.rstrip("/") for s in (args.suite or st.default_suites(vllm_version))]
 
     t0 = time.monotonic()
     if args.workdir is not None:

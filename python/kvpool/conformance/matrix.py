@@ -109,6 +109,8 @@ def table_row(version: str, rc: int, report: dict | None) -> dict:
         excluded=excluded,
         problems=len(report.get("problems", [])),
         total_wall_s=report.get("total_wall_s"),
+        native_manager_path=report.get("native_manager_path"),
+        mirrored_fingerprint=report.get("mirrored_fingerprint"),
     )
     return row
 
@@ -121,14 +123,17 @@ def format_table(rows: list[dict]) -> str:
         return "-" if value is None else str(value)
 
     lines = [
-        "| vLLM | vanilla passed | kvpool passed | regressions | excluded | exit | supported |",
-        "|---|---|---|---|---|---|---|",
+        "| vLLM | vanilla passed | kvpool passed | regressions | excluded | exit | supported | native manager path |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
+        native = {True: "on", False: "off"}.get(row.get("native_manager_path"), "-")
+        if row.get("mirrored_fingerprint"):
+            native += f" ({row['mirrored_fingerprint'][:12]})"
         lines.append(
             f"| {row['vllm']} | {cell(row, 'vanilla_passed')} | {cell(row, 'kvpool_passed')} | "
             f"{cell(row, 'regressions')} | {cell(row, 'excluded')} | {row['exit_code']} | "
-            f"{'yes' if row['supported'] else 'no'} |"
+            f"{'yes' if row['supported'] else 'no'} | {native} |"
         )
     return "\n".join(lines)
 

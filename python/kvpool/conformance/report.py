@@ -273,6 +273,19 @@ def _format_failed(failed: dict, limit: int = 50) -> list[str]:
     return lines
 
 
+def _format_native_path(report: dict) -> list[str]:
+    """The line of ``native_manager_path`` / ``mirrored_fingerprint`` (conformance.probe),
+    if the report has them."""
+    if "native_manager_path" not in report and "mirrored_fingerprint" not in report:
+        return []
+    bound = report.get("native_manager_path")
+    state = "unknown" if bound is None else ("on" if bound else "off")
+    line = (f"  native KV cache manager path: {state}; mirrored vLLM sources' fingerprint "
+            f"{report.get('mirrored_fingerprint') or 'unknown'}")
+    error = report.get("native_manager_probe_error")
+    return [line + (f" (probe: {error})" if error else "")]
+
+
 def format_summary(report: dict, max_regressions: int = 50) -> str:
     """A short plain-text summary of ``report`` for the terminal."""
     wall = report.get("wall_s", {})
@@ -283,6 +296,7 @@ def format_summary(report: dict, max_regressions: int = 50) -> str:
         f"  excluded: {len(report['excluded'])} entr{'y' if len(report['excluded']) == 1 else 'ies'}"
         f" ({sum(e['matched'] or 0 for e in report['excluded'])} collected tests deselected)",
     ]
+    lines += _format_native_path(report)
     if report["fixed"]:
         lines.append(f"  pass with kvpool but not vanilla: {len(report['fixed'])}")
     lines += _format_failed(report.get("failed") or {})

@@ -85,14 +85,18 @@ def prepare_hf_home(workdir: Path) -> Path:
 def run_environment(base: dict[str, str], hf_home: Path, mode: str) -> dict[str, str]:
     """Environment of one pytest subprocess.
 
-    CPU platform, offline Hugging Face cache; in the vanilla run ``KVPOOL_DISABLE=1`` so
+    CPU platform (``KVPOOL_CPU_PLATFORM=1``, see :mod:`kvpool.cpu_platform`), offline
+    Hugging Face cache; in the vanilla run ``KVPOOL_DISABLE=1`` so
     kvpool's ``vllm.general_plugins`` entry point leaves vLLM's classes alone in any
     process vLLM starts; in the kvpool run the variable is removed and
     ``KVPOOL_ALLOW_UNTESTED_VLLM=1`` is set (the run that validates a release).
     """
     env = {k: v for k, v in base.items() if k not in OFFLINE_FLAGS}
     env.update(offline_env(hf_home))
-    env["VLLM_TARGET_DEVICE"] = "cpu"
+    # vLLM's CPU platform through kvpool's platform plugin (vLLM 0.34.0's own raises on an
+    # x86 CPU without triton-cpu); VLLM_TARGET_DEVICE=cpu would bypass platform plugins.
+    env[envs.CPU_PLATFORM] = "1"
+    env.pop("VLLM_TARGET_DEVICE", None)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     # Hugging Face token / endpoint settings must not send the offline run anywhere.
     env.pop("HF_ENDPOINT", None)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool import cliargs
+from kvpool.cpu_platform import cpu_environment
 from kvpool.replay import report
 from kvpool.replay.compare import compare
 from kvpool.replay.engine import PoolSpec
@@ -284,8 +285,9 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         args.argv = list(argv)
     _check(args, build_parser())
-    # The replay never touches a device; vLLM still needs to know which platform it is on.
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    # The replay never touches a device; vLLM still needs to know which platform it is on:
+    # its CPU platform, through kvpool's platform plugin (kvpool.cpu_platform).
+    cpu_environment(os.environ)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         wl = make_workload(args)
