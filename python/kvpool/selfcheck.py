@@ -47,9 +47,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpool.vllm_compat import release_traits
-
-_TRAITS = release_traits()
+# The traits kvpool's classes were set up with when kvpool.block_pool was imported (the
+# installed release's, or the nearest below it that kvpool knows).
+from kvpool.block_pool import _TRAITS
 
 #: Fields of ``KVCacheBlock`` kvpool's extension reads and writes by name
 #: (``src/kvpool/block.pxi``, ``alloc.pxi``, ``free.pxi``, ``manager.pxi``, ...), under the
