@@ -2,8 +2,8 @@
 
 Run as a script, once with vLLM's own block pool (``--side vanilla``) and once with
 kvpool installed before any scheduler exists (``--side kvpool``), same ``--seed``: each
-process draws the same episodes and the same request stream, steps real vLLM 0.33.0
-``Scheduler`` / ``AsyncScheduler`` objects without a model, and prints one line per
+process draws the same episodes and the same request stream, steps the installed vLLM's
+(0.30.0-0.33.0) ``Scheduler`` / ``AsyncScheduler`` objects without a model, and prints one line per
 engine step (JSON, keys sorted) of what the step shows:
 
 - the ``SchedulerOutput``: new and cached requests with their block ids per KV cache
