@@ -134,7 +134,8 @@ MIRRORED: tuple[tuple[str, str], ...] = (
 #: request's (``request_id``, ``status``, ``num_computed_tokens``,
 #: ``num_in_flight_tokens``, ``num_prompt_tokens``, ``block_hashes``,
 #: ``skip_reading_prefix_cache``, ``max_tokens``; ``num_tokens``), the manager's, the
-#: coordinator's, the single-type manager's and vLLM's pool's.
+#: coordinators' (with and without prefix caching), the single-type manager's and vLLM's
+#: pool's.
 LAYOUT: tuple[tuple[str, str | None], ...] = (
     ("BlockHashToBlockMap", None),
     ("KVCacheBlocks", None),
@@ -143,6 +144,7 @@ LAYOUT: tuple[tuple[str, str | None], ...] = (
     ("KVCacheManager", "__init__"),
     ("KVCacheCoordinator", "__init__"),
     ("UnitaryKVCacheCoordinator", "__init__"),
+    ("KVCacheCoordinatorNoPrefixCache", "__init__"),
     ("FullAttentionManager", "__init__"),
     ("BlockPool", "__init__"),
 )
@@ -152,10 +154,10 @@ LAYOUT: tuple[tuple[str, str | None], ...] = (
 #: test_scheduler_differential.py passed in that release's environment (docs/porting.md);
 #: what the releases do differently is read from their ``VllmRelease`` traits.
 KNOWN_SOURCES: dict[str, str] = {
-    "0.33.0": "64275fc7ab88dcd8ac65e3df2bc94d1000eda582ce6a5f76ac2c737490a744f7",
-    "0.32.0": "f82ff0b94aabf57a1f29cb66597181fe59d92c6abf675dc655a18b4e3ebe37ac",
-    "0.31.0": "503251d07e355df0947c35542cf05ea64cc018863d7e5ebcfbaafd9cb815d815",
-    "0.30.0": "98503f98ee347210052a8d43fd090759dca3110c298df31011b49d4125fe19f7",
+    "0.33.0": "38459ee6ed61080082fb68786889f86a8ff92d3a57c9d31d850ac33e9863dd8e",
+    "0.32.0": "016296bb7e88e52624424b8a8d047db8ad94374c3368f59a37b96233e1e7a8bb",
+    "0.31.0": "5adddf0e5f6be9a5b2bbf508e486703f73e4e764ad8ee3050c60e28b4667402d",
+    "0.30.0": "867d473383857978f4f077040a5f97fbe79a878a8a3b9b90dbf1473ecbd5420c",
 }
 
 #: sha256 of the source of ``KVCacheBlocks.get_block_ids`` per release whose function
