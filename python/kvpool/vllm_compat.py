@@ -39,6 +39,17 @@ class VllmRelease:
             Before, vLLM's reset reaches one engine (all with the load-balancing
             client); kvpool's reorder then sends its call to every engine itself
             (``kvpool.patches.engine_api``).
+        eagle_group_ids_attr: the ``KVCacheCoordinator`` attribute whose group ids
+            ``UnitaryKVCacheCoordinator.find_longest_cache_hit`` drops the EAGLE block
+            of: ``eagle_group_ids`` up to 0.32.0, ``drop_eagle_group_ids`` from 0.33.0
+            (empty without ``use_eagle``). The native prefix-cache lookup reads it
+            (``kvpool.patches.manager_fast_path``, ``src/kvpool/lookup.pxi``).
+        lookup_takes_max_length: ``KVCacheManager.get_computed_blocks`` has the
+            ``max_cache_hit_length`` parameter (>= 0.33.0); before, the native lookup
+            hands a call that passes it to vLLM's, which raises ``TypeError``.
+        cache_checks_prefix_cacheable: ``SingleTypeKVCacheManager.cache_blocks``
+            returns early for a spec that is not ``prefix_cacheable`` (>= 0.31.0; 0.30.0
+            caches it); the native ``cache_blocks`` does the same where this is set.
         block_ids_map: ``BlockHashToBlockMap(blocks)`` stores block *ids* (duplicates
             in ``_dup_ids``), has ``clear()``, and ``reset_prefix_cache`` clears it in
             place (>= 0.34.0). Before, the map holds block objects (a dict of them for
@@ -65,6 +76,9 @@ class VllmRelease:
 
     version: str
     all_engine_utility_call: bool
+    eagle_group_ids_attr: str
+    lookup_takes_max_length: bool
+    cache_checks_prefix_cacheable: bool
     block_ids_map: bool = False
     weak_block_pool: bool = False
     public_block_hash: bool = False
@@ -78,12 +92,17 @@ class VllmRelease:
 VLLM_RELEASES: dict[str, VllmRelease] = {
     r.version: r
     for r in (
-        VllmRelease("0.30.0", all_engine_utility_call=False),
-        VllmRelease("0.31.0", all_engine_utility_call=False),
-        VllmRelease("0.32.0", all_engine_utility_call=True),
-        VllmRelease("0.33.0", all_engine_utility_call=True),
-        VllmRelease("0.34.0", all_engine_utility_call=True, block_ids_map=True,
-                    weak_block_pool=True, public_block_hash=True,
+        VllmRelease("0.30.0", all_engine_utility_call=False, eagle_group_ids_attr="eagle_group_ids",
+                    lookup_takes_max_length=False, cache_checks_prefix_cacheable=False),
+        VllmRelease("0.31.0", all_engine_utility_call=False, eagle_group_ids_attr="eagle_group_ids",
+                    lookup_takes_max_length=False, cache_checks_prefix_cacheable=True),
+        VllmRelease("0.32.0", all_engine_utility_call=True, eagle_group_ids_attr="eagle_group_ids",
+                    lookup_takes_max_length=False, cache_checks_prefix_cacheable=True),
+        VllmRelease("0.33.0", all_engine_utility_call=True, eagle_group_ids_attr="drop_eagle_group_ids",
+                    lookup_takes_max_length=True, cache_checks_prefix_cacheable=True),
+        VllmRelease("0.34.0", all_engine_utility_call=True, eagle_group_ids_attr="drop_eagle_group_ids",
+                    lookup_takes_max_length=True, cache_checks_prefix_cacheable=True,
+                    block_ids_map=True, weak_block_pool=True, public_block_hash=True,
                     free_blocks_evict_first=True, prefix_cache_hit_limit=True,
                     eviction_hook_hashed_only=True, runner_output_index=False),
     )

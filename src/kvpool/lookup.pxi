@@ -7,7 +7,7 @@
 # find_longest_cache_hit; FullAttentionManager.find_longest_cache_hit;
 # kv_cache_utils.resolve_block_hashes; BlockPool.get_cached_block;
 # make_block_hash_with_group_id; kvpool's BlockHashToBlockMap.get_one_block;
-# create_kv_cache_blocks), vLLM 0.30.0 and 0.33.0, fingerprinted with the rest of the
+# create_kv_cache_blocks), vLLM 0.30.0-0.33.0, fingerprinted with the rest of the
 # fast path (kvpool.patches.manager_fast_path.MIRRORED). When the block size is the
 # hash block size, the hit is not fine-grained, no EAGLE block is dropped, there is no
 # context parallelism and no KV events, those calls reduce to:
@@ -41,7 +41,7 @@ def configure_prefix_lookup(*, vanilla, lookup_specs, eagle_attr, takes_max_leng
     ``kvpool.patches.manager_fast_path``). ``vanilla``: vLLM's ``get_computed_blocks``;
     ``lookup_specs``: the spec types ``FullAttentionManager.find_longest_cache_hit``
     asserts; ``eagle_attr``: the coordinator attribute naming its EAGLE groups
-    (``drop_eagle_group_ids`` in 0.33.0, ``eagle_group_ids`` in 0.30.0);
+    (``VllmRelease.eagle_group_ids_attr``: ``drop_eagle_group_ids`` from 0.33.0);
     ``takes_max_length``: the release's ``get_computed_blocks`` has the
     ``max_cache_hit_length`` parameter; ``*_names``: methods that must not be set on the
     manager / coordinator / single-type manager instances; ``prefix_cache_hit_limit``:

@@ -4,7 +4,7 @@
 # Mirrors vllm/v1/core/kv_cache_manager.py KVCacheManager.allocate_slots and what it
 # calls for that shape (UnitaryKVCacheCoordinator: remove_skipped_blocks,
 # get_num_blocks_to_allocate, allocate_new_blocks, cache_blocks; FullAttentionManager
-# and SingleTypeKVCacheManager: the same names; create_kv_cache_blocks), vLLM 0.30.0 and
+# and SingleTypeKVCacheManager: the same names; create_kv_cache_blocks), vLLM 0.30.0 to
 # 0.33.0, whose sources kvpool.patches.manager_fast_path fingerprints before it binds
 # this function. For a running request with no new prefix hit, no external tokens and
 # no encoder tokens those calls reduce to integer arithmetic on the request's table:
@@ -228,7 +228,8 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
     arithmetic calls from their modules' namespaces)
     holds, and ``pool_names`` / ``map_names`` are not set on the pool / its map
     (``check_prefix_cacheable``: the release's ``SingleTypeKVCacheManager.cache_blocks``
-    returns early for a spec that is not ``prefix_cacheable``, as 0.33.0's does).
+    returns early for a spec that is not ``prefix_cacheable``, as 0.31.0's and later do:
+    ``VllmRelease.cache_checks_prefix_cacheable``).
     ``no_prefix_cache_cls``: vLLM's ``KVCacheCoordinatorNoPrefixCache`` when its
     allocation methods are ``coordinator_cls``'s (prefix caching off), or None.
     ``block_ids_map``: the map's layout is vLLM >= 0.34.0's (``_cache`` of block ids,
@@ -683,7 +684,7 @@ cdef bint _cache_blocks_native(_AllocateSlotsFastPath fp, coordinator, mgr, requ
     effect when the call is vLLM's to make.
 
     Mirrors, for one ``FullAttentionManager`` whose block size is the hash block size
-    and a pool without KV events (vLLM 0.30.0 and 0.33.0, fingerprinted with the rest):
+    and a pool without KV events (vLLM 0.30.0-0.33.0, fingerprinted with the rest):
     ``KVCacheCoordinator.cache_blocks`` (tokens less ``num_reprefillable_tokens``),
     ``SingleTypeKVCacheManager.cache_blocks`` (``num_full_blocks``; full attention's
     ``reachable_block_mask`` is None), ``BlockPool.cache_full_blocks`` and

@@ -2,8 +2,8 @@
 
 Run as a script, once with vLLM's own block pool (``--side vanilla``) and once with
 kvpool installed before any scheduler exists (``--side kvpool``), same ``--seed``: each
-process draws the same episodes and the same request stream, steps real vLLM 0.33.0
-``Scheduler`` / ``AsyncScheduler`` objects without a model, and prints one line per
+process draws the same episodes and the same request stream, steps the installed vLLM's
+(0.30.0-0.33.0) ``Scheduler`` / ``AsyncScheduler`` objects without a model, and prints one line per
 engine step (JSON, keys sorted) of what the step shows:
 
 - the ``SchedulerOutput``: new and cached requests with their block ids per KV cache
@@ -44,6 +44,7 @@ free) and frees them again in reverse order (the pool's own ``get_new_blocks`` /
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import random
@@ -451,7 +452,14 @@ class EpisodeRun:
         """``get_computed_blocks`` of a request never added, under a hit limit."""
         probe = self.stream.make()
         limit = self.rng.choice((None, self.rng.randint(0, probe.num_tokens)))
-        blocks, num_tokens, boundary = self.scheduler.kv_cache_manager.get_computed_blocks(probe, limit)
+        manager = self.scheduler.kv_cache_manager
+        # (vLLM's own signature, kvpool's bound function included: before 0.33.0 there is
+        # no max_cache_hit_length, and the lookup is the scheduler's, without a limit)
+        if "max_cache_hit_length" in inspect.signature(manager.get_computed_blocks).parameters:
+            blocks, num_tokens, boundary = manager.get_computed_blocks(probe, limit)
+        else:
+            limit = None
+            blocks, num_tokens, boundary = manager.get_computed_blocks(probe)
         acts["lookup"] = [probe.num_tokens, limit, _groups(blocks.get_block_ids()), num_tokens, boundary]
         self.counts["lookup_hit" if num_tokens else "lookup_miss"] += 1
 
@@ -594,8 +602,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--perturb-at", type=int)
     args = parser.parse_args(argv)
-    classes = _prepare(args.side)
     out = sys.stdout
+    # stdout carries the step lines alone: vLLM's log handler (bound to sys.stdout when
+    # vLLM is imported; 0.30.0 logs at INFO before kvpool's install returns) and any
+    # print go to stderr.
+    sys.stdout = sys.stderr
+    classes = _prepare(args.side)
     dumps = json.JSONEncoder(sort_keys=True, separators=(",", ":")).encode
 
     def emit(obj) -> None:

@@ -1,5 +1,5 @@
 """The native ``KVCacheManager.allocate_slots`` (``kvpool.patches.manager_fast_path``,
-``src/kvpool/manager.pxi``) against vLLM 0.33.0's own method.
+``src/kvpool/manager.pxi``) against the installed vLLM's own method (0.30.0-0.33.0).
 
 The differential drives two ``KVCacheManager``s (kvpool installed, so both on kvpool's
 pool, which tests/pool checks against vLLM's) with the same random operations: one
@@ -276,12 +276,23 @@ def test_bound_by_install_and_undone_by_uninstall(monkeypatch):
 
 
 def test_the_installed_vllm_is_a_release_whose_sources_it_mirrors():
-    """The installed release's functions hash to its recorded fingerprint; a change to any
-    mirrored function (another release) keeps vLLM's allocate_slots."""
+    """The installed release's functions hash to its recorded fingerprint (every release
+    of the matrix, 0.30.0-0.34.0, has one, and the native path is bound on it); a change
+    to any mirrored function or to a definition whose layout the native code reads
+    (another release) keeps vLLM's allocate_slots."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
     from kvpool import vllm_compat
     from kvpool.patches import manager_fast_path as fp
 
-    assert fp.matching_release() == vllm_compat._release(vllm_compat.installed_vllm_version())
+    release = vllm_compat.release_traits().version
+    assert set(fp.KNOWN_SOURCES) == set(vllm_compat.VLLM_RELEASES)
+    assert fp.matching_release() == release
+    kvpool.install()
+    assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
+    assert KVCacheManager.get_computed_blocks is _core.kv_cache_manager_get_computed_blocks
+    print(f"\nvLLM {release}: the native allocate_slots, cache_blocks and get_computed_blocks are bound")
+    kvpool.uninstall()
     classes = fp._classes()
 
     class Edited(classes["FullAttentionManager"]):
@@ -289,6 +300,19 @@ def test_the_installed_vllm_is_a_release_whose_sources_it_mirrors():
             return 0
 
     assert fp.matching_release({**classes, "FullAttentionManager": Edited}) is None
+
+    class BlockIdMap(classes["BlockHashToBlockMap"]):   # another layout of the map's dict
+        def insert(self, key, block) -> None:
+            self._cache.setdefault(key, {})[block.block_id] = block.block_id
+
+    assert fp.matching_release({**classes, "BlockHashToBlockMap": BlockIdMap}) is None
+
+    class Request(classes["Request"]):   # another definition of a field it reads
+        @property
+        def num_tokens(self) -> int:
+            return 0
+
+    assert fp.matching_release({**classes, "Request": Request}) is None
 
 
 def _running(manager, rid="a", prompt_len=40):
@@ -408,7 +432,7 @@ def test_a_patched_caching_function_is_called(monkeypatch, where):
     function in vLLM's block_pool namespace) is called again once patched, for the
     running request's cache (the native allocate_slots) and a new request's (vLLM's
     allocate_slots through the coordinator); so is kvpool's map's insert, patched on its
-    class or on the pool's map, and vLLM 0.33.0's replay_boundaries."""
+    class or on the pool's map, and replay_boundaries (vLLM 0.32.0 and later)."""
     from vllm.v1.core import block_pool as vllm_block_pool
 
     from kvpool.block_pool import BlockPool, VllmBlockPool
@@ -427,7 +451,7 @@ def test_a_patched_caching_function_is_called(monkeypatch, where):
         module, name = ((vllm_block_pool, "make_block_hash_with_group_id") if where == "module function"
                         else (kv_cache_coordinator, "replay_boundaries"))
         if not hasattr(module, name):
-            pytest.skip(f"this vLLM has no {module.__name__}.{name} (0.30.0: get_replay_boundaries)")
+            pytest.skip(f"this vLLM has no {module.__name__}.{name} (before 0.32.0: get_replay_boundaries)")
         _patch_counting(monkeypatch, module, name, getattr(module, name), seen)
     elif where.startswith("map"):
         from kvpool.block_pool import BlockHashToBlockMap
@@ -446,6 +470,49 @@ def test_a_patched_caching_function_is_called(monkeypatch, where):
     monkeypatch.undo()
     _fill_a_block(manager, req)
     assert _cache_calls()[0] == native + 2
+
+
+def _not_prefix_cacheable_run() -> tuple:
+    """A running request filling a block on a manager whose spec is not
+    ``prefix_cacheable``: what is cached (counts, block hashes, map keys)."""
+    import dataclasses
+
+    manager = _manager(64)
+    single = manager.coordinator.single_type_managers[0]
+    spec = single.kv_cache_spec
+
+    class NotCacheable(type(spec)):
+        @property
+        def prefix_cacheable(self) -> bool:
+            return False
+
+    single.kv_cache_spec = NotCacheable(**{f.name: getattr(spec, f.name)
+                                           for f in dataclasses.fields(spec) if f.init})
+    req = _running(manager)
+    _fill_a_block(manager, req)
+    return (dict(single.num_cached_block), [b.block_hash for b in single.req_to_blocks["a"]],
+            sorted(manager.block_pool.cached_block_hash_to_block._cache))
+
+
+def test_a_spec_that_is_not_prefix_cacheable_is_cached_as_the_release_caches_it(monkeypatch):
+    """``VllmRelease.cache_checks_prefix_cacheable``: from 0.31.0 vLLM's
+    ``SingleTypeKVCacheManager.cache_blocks`` caches nothing for a spec that is not
+    ``prefix_cacheable`` (0.30.0's caches it); the native caching (a new request's
+    through the bound coordinator method, a running one's through the native
+    allocate_slots) does what the installed release's Python does."""
+    from kvpool.vllm_compat import release_traits
+
+    monkeypatch.setenv("KVPOOL_PYTHON_MANAGER", "1")
+    kvpool.install()
+    vanilla = _not_prefix_cacheable_run()
+    kvpool.uninstall()
+    monkeypatch.delenv("KVPOOL_PYTHON_MANAGER")
+    kvpool.install()
+    native, _ = _cache_calls()
+    assert _not_prefix_cacheable_run() == vanilla
+    assert bool(vanilla[2]) is not release_traits().cache_checks_prefix_cacheable
+    if vanilla[2]:
+        assert _cache_calls()[0] > native      # (0.30.0: cached natively)
 
 
 def test_a_map_entry_of_another_type_is_read_by_vllms_code():
@@ -900,7 +967,9 @@ def test_native_get_block_ids_matches_vllm():
     from kvpool.patches.manager_fast_path import _vanilla, get_block_ids_fingerprint, KNOWN_GET_BLOCK_IDS
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
-    assert get_block_ids_fingerprint() == KNOWN_GET_BLOCK_IDS["0.33.0"]
+    from kvpool.vllm_compat import release_traits
+
+    assert get_block_ids_fingerprint() == KNOWN_GET_BLOCK_IDS[release_traits().version]
     vanilla = KVCacheBlocks.get_block_ids
     kvpool.install()
     assert KVCacheBlocks.get_block_ids is _core.kv_cache_blocks_get_block_ids

@@ -1,5 +1,5 @@
-"""vLLM 0.33.0's ``Scheduler`` and ``KVCacheManager`` on kvpool's pool against the same
-on vLLM's own pool, step by step, under a random seeded workload.
+"""The installed vLLM's (0.30.0-0.33.0) ``Scheduler`` and ``KVCacheManager`` on kvpool's
+pool against the same on vLLM's own pool, step by step, under a random seeded workload.
 
 Two processes (``kvpool.install()`` patches vLLM process-wide): one with vLLM's classes,
 one with kvpool installed before any scheduler exists, both running

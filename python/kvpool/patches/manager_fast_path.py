@@ -36,9 +36,15 @@ of the methods it skips patched on the class or the instance (checked on every c
 classes through their attribute-cache version tag).
 
 It is bound only where its arithmetic is vLLM's: the sources of the vLLM functions it
-mirrors (:data:`MIRRORED`) must hash to one of :data:`KNOWN_SOURCES` (vLLM 0.30.0 and
-0.33.0; a release whose functions differ keeps vLLM's ``allocate_slots``, with one
-info line), and ``KVPOOL_PYTHON_MANAGER`` must not be on. Under a policy with
+mirrors (:data:`MIRRORED`) and of the definitions whose data layout it reads and writes
+(:data:`LAYOUT`: vLLM's ``BlockHashToBlockMap``, ``KVCacheBlocks``, the constructors of
+the objects it reads) must hash to one of :data:`KNOWN_SOURCES` (vLLM 0.30.0, 0.31.0,
+0.32.0 and 0.33.0, each recorded after the differential tests passed in that release's
+environment; a release whose functions differ keeps vLLM's ``allocate_slots``, with one
+info line), and ``KVPOOL_PYTHON_MANAGER`` must not be on. What the releases do
+differently that the native code acts on (the EAGLE group attribute the lookup reads,
+``get_computed_blocks``' ``max_cache_hit_length``, ``cache_blocks``' test of
+``prefix_cacheable``) it reads from the release's :class:`kvpool.vllm_compat.VllmRelease`. Under a policy with
 manager hooks (``allocation="contiguous"``: :mod:`kvpool.patches.manager_hooks`, applied
 before this module) the native path does what those hooks do: it tells the policy the
 request's expected length and runs the pool's allocation in the table's context.
@@ -55,7 +61,7 @@ import types
 from typing import Any
 
 from kvpool import allocation, envs
-from kvpool.vllm_compat import release_traits
+from kvpool.vllm_compat import VllmRelease, release_traits
 # Method names the native path skips, which must not be set on the instances (listed
 # with the pool's in kvpool.vllm_calls).
 from kvpool.vllm_calls import (
@@ -118,18 +124,49 @@ MIRRORED: tuple[tuple[str, str], ...] = (
     ("BlockPool", "get_num_free_blocks"),
 )
 
+#: The vLLM definitions whose data layout the native code reads or writes directly, as
+#: ``(class name, attribute)`` (``None``: the whole class's source; a property: its
+#: getter), fingerprinted after :data:`MIRRORED`: vLLM's ``BlockHashToBlockMap``, whose
+#: ``_cache`` dict (hash key -> block, or -> {block id: block}) the native caching,
+#: eviction and lookup read and write (``manager.pxi``, ``alloc.pxi``, ``lookup.pxi``);
+#: ``KVCacheBlocks``, which they build (``KVCacheBlocks((blocks,))``) and read
+#: (``.blocks``); and the constructors that define the attributes they read: the
+#: request's (``request_id``, ``status``, ``num_computed_tokens``,
+#: ``num_in_flight_tokens``, ``num_prompt_tokens``, ``block_hashes``,
+#: ``skip_reading_prefix_cache``, ``max_tokens``; ``num_tokens``), the manager's, the
+#: coordinators' (with and without prefix caching), the single-type manager's and vLLM's
+#: pool's.
+LAYOUT: tuple[tuple[str, str | None], ...] = (
+    ("BlockHashToBlockMap", None),
+    ("KVCacheBlocks", None),
+    ("Request", "__init__"),
+    ("Request", "num_tokens"),
+    ("KVCacheManager", "__init__"),
+    ("KVCacheCoordinator", "__init__"),
+    ("UnitaryKVCacheCoordinator", "__init__"),
+    ("KVCacheCoordinatorNoPrefixCache", "__init__"),
+    ("FullAttentionManager", "__init__"),
+    ("BlockPool", "__init__"),
+)
+
 #: sha256 of :func:`mirrored_source` per vLLM release whose functions the native path
-#: was written against and checked with that release's own tests (docs/conformance.md).
+#: was written against, each recorded after tests/integration/test_manager_*.py and
+#: test_scheduler_differential.py passed in that release's environment (docs/porting.md);
+#: what the releases do differently is read from their ``VllmRelease`` traits.
 KNOWN_SOURCES: dict[str, str] = {
-    "0.34.0": "17b7c09c0b30fd9284330aeab732c68bca562b39dec1d6a560d7e8f019e659c2",
-    "0.33.0": "83639507599393d4a84e710530abd061343a38fc13f9d90c8a7556c3d9756556",
-    "0.30.0": "7af2f0e444897e7320179b7987777eaa2a0cc136660bfff4ac93ae40aeca956e",
+    "0.34.0": "8e16be4750fd851913627b844a4bf8ef810ea6ee5cda294113234c7efd615ba2",
+    "0.33.0": "38459ee6ed61080082fb68786889f86a8ff92d3a57c9d31d850ac33e9863dd8e",
+    "0.32.0": "016296bb7e88e52624424b8a8d047db8ad94374c3368f59a37b96233e1e7a8bb",
+    "0.31.0": "5adddf0e5f6be9a5b2bbf508e486703f73e4e764ad8ee3050c60e28b4667402d",
+    "0.30.0": "867d473383857978f4f077040a5f97fbe79a878a8a3b9b90dbf1473ecbd5420c",
 }
 
 #: sha256 of the source of ``KVCacheBlocks.get_block_ids`` per release whose function
 #: ``kvpool._core.kv_cache_blocks_get_block_ids`` compiles (bound beside the above).
 KNOWN_GET_BLOCK_IDS: dict[str, str] = {
     "0.33.0": "81cfa55cf5e02cbd46e75d513bd0b1b066022853dc895fae7be7946d94751f6e",
+    "0.32.0": "81cfa55cf5e02cbd46e75d513bd0b1b066022853dc895fae7be7946d94751f6e",
+    "0.31.0": "81cfa55cf5e02cbd46e75d513bd0b1b066022853dc895fae7be7946d94751f6e",
     "0.30.0": "9a4a06f57067c85dc08e93c1e28ed9bfd604c4d9fecb31f857543cff484e69b0",
 }
 
@@ -138,6 +175,7 @@ _BOUND = (("KVCacheManager", "allocate_slots"), ("KVCacheManager", "get_computed
 
 
 def _classes() -> dict[str, Any]:
+    from vllm.v1 import request
     from vllm.v1.core import (
         block_pool,
         kv_cache_coordinator,
@@ -145,6 +183,7 @@ def _classes() -> dict[str, Any]:
         single_type_kv_cache_manager,
     )
 
+    from kvpool.block_hash_map import VllmBlockHashToBlockMap
     from kvpool.block_pool import VllmBlockPool
 
     return {
@@ -154,6 +193,12 @@ def _classes() -> dict[str, Any]:
         "FullAttentionManager": single_type_kv_cache_manager.FullAttentionManager,
         "SingleTypeKVCacheManager": single_type_kv_cache_manager.SingleTypeKVCacheManager,
         "BlockPool": VllmBlockPool,
+        # vLLM's map (install() binds kvpool's subclass, which overrides its accessors,
+        # as block_pool.BlockHashToBlockMap)
+        "BlockHashToBlockMap": VllmBlockHashToBlockMap,
+        "KVCacheBlocks": kv_cache_manager.KVCacheBlocks,
+        "KVCacheCoordinator": kv_cache_coordinator.KVCacheCoordinator,
+        "Request": request.Request,
         "block_pool": block_pool,
         "kv_cache_coordinator": kv_cache_coordinator,
         "single_type_kv_cache_manager": single_type_kv_cache_manager,
@@ -193,17 +238,23 @@ def _source(func) -> str:
 
 
 def mirrored_source(classes: dict[str, type] | None = None) -> str:
-    """The sources of :data:`MIRRORED` as the installed vLLM defines them, dedented, one
-    after the other under a ``# Class.method`` line (``# Class.method: absent`` when the
-    release has no such method). Raises ``OSError``/``TypeError`` when a source cannot
-    be read (a vLLM installed without its ``.py`` files)."""
+    """The sources of :data:`MIRRORED`, then of :data:`LAYOUT`, as the installed vLLM
+    defines them, dedented, one after the other under a ``# Class.method`` line
+    (``# Class.method: absent`` when the release has no such method; ``# Class`` before
+    a whole class). Raises ``OSError``/``TypeError`` when a source cannot be read (a
+    vLLM installed without its ``.py`` files)."""
     classes = classes or _classes()
     parts = []
-    for cls_name, name in MIRRORED:
+    for cls_name, name in MIRRORED + LAYOUT:
+        if name is None:
+            parts.append(f"# {cls_name}\n{_source(classes[cls_name])}")
+            continue
         func = _vanilla(classes[cls_name], name)
         if func is None:
             parts.append(f"# {cls_name}.{name}: absent\n")
             continue
+        if isinstance(func, property):
+            func = func.fget
         parts.append(f"# {cls_name}.{name}\n{_source(func)}")
     return "".join(parts)
 
@@ -286,7 +337,10 @@ def _no_prefix_cache_coordinator(classes: dict[str, Any]):
 
 #: Module functions the mirrored methods call only with KV events on (the native caching
 #: runs with events off) or that the native path reads itself on every call.
-_EVENTS_ONLY_GLOBALS = ("maybe_convert_block_hash", "get_block_hash", "get_group_id")
+#: (``generate_block_hash_extra_keys``: up to 0.32.0 ``cache_full_blocks`` calls it for
+#: its stored-block event; 0.33.0 through ``self._generate_event_extra_keys``.)
+_EVENTS_ONLY_GLOBALS = ("maybe_convert_block_hash", "get_block_hash", "get_group_id",
+                        "generate_block_hash_extra_keys")
 
 
 def mirrored_globals(classes: dict[str, Any]) -> tuple[tuple[dict, str, Any], ...]:
@@ -323,7 +377,7 @@ def _module_checks(classes: dict[str, Any]) -> tuple[tuple, tuple]:
 _MODULES = ("block_pool", "kv_cache_coordinator", "single_type_kv_cache_manager")
 
 
-def _bind_get_computed_blocks(patcher, classes: dict[str, Any], release: str) -> None:
+def _bind_get_computed_blocks(patcher, classes: dict[str, Any], traits: VllmRelease) -> None:
     """``kv_cache_manager_get_computed_blocks`` as ``KVCacheManager.get_computed_blocks``
     (a waiting request's prefix-cache lookup; it reads the map the native caching
     writes, so it is bound only beside it)."""
@@ -336,9 +390,9 @@ def _bind_get_computed_blocks(patcher, classes: dict[str, Any], release: str) ->
         vanilla=vanilla,
         # what FullAttentionManager.find_longest_cache_hit asserts its spec is
         lookup_specs=(module.FullAttentionSpec, module.ChunkedLocalAttentionSpec),
-        eagle_attr="eagle_group_ids" if release == "0.30.0" else "drop_eagle_group_ids",
-        takes_max_length=release != "0.30.0",
-        prefix_cache_hit_limit=release_traits(release).prefix_cache_hit_limit,
+        eagle_attr=traits.eagle_group_ids_attr,
+        takes_max_length=traits.lookup_takes_max_length,
+        prefix_cache_hit_limit=traits.prefix_cache_hit_limit,
         manager_names=_LOOKUP_MANAGER_NAMES,
         coordinator_names=_LOOKUP_COORDINATOR_NAMES,
         single_type_names=_LOOKUP_SINGLE_TYPE_NAMES,
@@ -380,6 +434,7 @@ def apply(patcher) -> None:
         logger.info("kvpool: KVCacheManager.allocate_slots stays vLLM's Python: %s "
                     "wrapped by other code", ", ".join(foreign))
         return
+    traits = release_traits(release)
     manager_cls = classes["KVCacheManager"]
     coordinator_cls = classes["UnitaryKVCacheCoordinator"]
     from kvpool.block_hash_map import BlockHashToBlockMap
@@ -416,11 +471,9 @@ def apply(patcher) -> None:
         cache_checks=[(BlockPool, n, getattr(BlockPool, n, None)) for n in _POOL_NAMES]
         + [(BlockHashToBlockMap, n, getattr(BlockHashToBlockMap, n, None)) for n in _MAP_NAMES],
         native_cache=native_cache,
-        # 0.33.0's SingleTypeKVCacheManager.cache_blocks returns early for a spec that
-        # is not prefix_cacheable; 0.30.0's has no such test.
-        check_prefix_cacheable=release != "0.30.0",
+        check_prefix_cacheable=traits.cache_checks_prefix_cacheable,
         vanilla_cache_blocks=vanilla_cache_blocks,
-        block_ids_map=release_traits(release).block_ids_map,
+        block_ids_map=traits.block_ids_map,
         module_functions=module_functions,
         step_globals=step_globals,
     )
@@ -429,8 +482,8 @@ def apply(patcher) -> None:
     fast.__kvpool_wrapped__ = vanilla
     patcher.set_attr(manager_cls, "allocate_slots", fast)
     if native_cache:
-        _bind_get_computed_blocks(patcher, classes, release)
+        _bind_get_computed_blocks(patcher, classes, traits)
 
 
-__all__ = ["KNOWN_SOURCES", "MIRRORED", "apply", "matching_release", "mirrored_source",
+__all__ = ["KNOWN_SOURCES", "LAYOUT", "MIRRORED", "apply", "matching_release", "mirrored_source",
            "source_fingerprint"]
