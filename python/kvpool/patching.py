@@ -326,11 +326,8 @@ def vllm_built_pools() -> list[Any]:
     One pass of the garbage collector over its objects (``gc.get_referrers`` of the pool
     classes: about 0.1 s in a process with an engine), then a collection and a second
     pass only if any was found, so that unreachable pools awaiting collection do not
-    count. Objects frozen with
-    ``gc.freeze()`` (vLLM freezes its engine's after building it) are outside that
-    pass: when the process has any, they are unfrozen for the look and everything is
-    frozen again after it (objects allocated since the last freeze are then frozen
-    too, as at vLLM's own next freeze)."""
+    count. Objects frozen with ``gc.freeze()`` (vLLM freezes its engine's) are unfrozen
+    for the look and everything is frozen again after it, as at vLLM's next freeze."""
     module = sys.modules.get("vllm.v1.core.block_pool")
     utils = sys.modules.get("vllm.v1.core.kv_cache_utils")
     if module is None or utils is None:
@@ -373,12 +370,6 @@ def _original_class(module, name: str):
     return getattr(module, name)
 
 
-#: What becomes of a pool vLLM built before install() (the refusal's reason).
-_OLD_POOL_OUTCOME = ("which stay vLLM's: that engine would never run kvpool's pool"
-                     if release_traits().block_ids_map else
-                     "which vLLM's code rejects once kvpool's are bound")
-
-
 def _refuse_pools_built_before_install() -> None:
     """Raise :class:`PoolsBuiltBeforeInstallError` while a pool of vLLM's blocks is alive
     (before anything is patched). Up to vLLM 0.33.0 such a pool's ``BlockHashToBlockMap``
@@ -390,11 +381,13 @@ def _refuse_pools_built_before_install() -> None:
     if not pools:
         return
     kinds = sorted({type(p).__qualname__ for p in pools})
+    outcome = ("which stay vLLM's: that engine would never run kvpool's pool" if release_traits().block_ids_map
+               else "which vLLM's code rejects once kvpool's are bound")
     raise PoolsBuiltBeforeInstallError(
         f"kvpool.install() must run before vLLM builds its KV cache: {len(pools)} block "
         f"pool(s) ({', '.join(kinds)}) built without kvpool are alive (an LLM, engine or "
         "Scheduler created before install()). Their blocks and prefix-cache map are vLLM's "
-        f"own classes, {_OLD_POOL_OUTCOME}. Call "
+        f"own classes, {outcome}. Call "
         "kvpool.install() before building the engine (or let vLLM load kvpool's plugin, "
         "which installs it in every vLLM process first); nothing was changed.")
 

@@ -166,7 +166,8 @@ def _signature(cls: type, name: str) -> inspect.Signature | None:
     except (TypeError, ValueError, AttributeError):
         return None
     P = inspect.Parameter
-    if all(p.kind in (P.VAR_POSITIONAL, P.VAR_KEYWORD) for p in list(sig.parameters.values())[1:]):
+    rest = list(sig.parameters.values())[1:]
+    if rest and all(p.kind in (P.VAR_POSITIONAL, P.VAR_KEYWORD) for p in rest):
         return None  # a slot wrapper's (self, /, *args, **kwargs): says nothing
     return sig
 

@@ -335,7 +335,7 @@ def scheduler_output_view(so) -> dict:
         "spec": sorted((k, len(v)) for k, v in so.scheduled_spec_decode_tokens.items()),
         "finished": _sorted(so.finished_req_ids),
         "preempted": _sorted(so.preempted_req_ids),
-        "common_prefix": list(so.num_common_prefix_blocks),
+        "common_prefix": list(getattr(so, "num_common_prefix_blocks", ())),  # (gone in vLLM 0.34.0)
         "zero": so.new_block_ids_to_zero,
         "copies": None if so.kv_cache_block_copies is None else [repr(c) for c in so.kv_cache_block_copies],
     }

@@ -164,6 +164,7 @@ KNOWN_SOURCES: dict[str, str] = {
 #: sha256 of the source of ``KVCacheBlocks.get_block_ids`` per release whose function
 #: ``kvpool._core.kv_cache_blocks_get_block_ids`` compiles (bound beside the above).
 KNOWN_GET_BLOCK_IDS: dict[str, str] = {
+    "0.34.0": "81cfa55cf5e02cbd46e75d513bd0b1b066022853dc895fae7be7946d94751f6e",
     "0.33.0": "81cfa55cf5e02cbd46e75d513bd0b1b066022853dc895fae7be7946d94751f6e",
     "0.32.0": "81cfa55cf5e02cbd46e75d513bd0b1b066022853dc895fae7be7946d94751f6e",
     "0.31.0": "81cfa55cf5e02cbd46e75d513bd0b1b066022853dc895fae7be7946d94751f6e",
@@ -402,6 +403,25 @@ def _bind_get_computed_blocks(patcher, classes: dict[str, Any], traits: VllmRele
     patcher.set_attr(manager_cls, "get_computed_blocks", lookup)
 
 
+def _bindable_release(classes: dict[str, Any]) -> str | None:
+    """The release of :data:`KNOWN_SOURCES` the installed vLLM's mirrored functions are,
+    when none is wrapped by other code; else None, with one info line saying why."""
+    release = matching_release(classes)
+    if release is None:
+        logger.info("kvpool: KVCacheManager.allocate_slots stays vLLM's Python: this vLLM's "
+                    "allocate_slots and the methods it calls are not those of a release "
+                    "kvpool's native path was checked against (%s)", ", ".join(KNOWN_SOURCES))
+        return None
+    foreign = [f"{c}.{n}" for c, n in MIRRORED if _foreign_wrapper(getattr(classes[c], n, None))]
+    if foreign:
+        # functools.wraps hides a wrapper from the fingerprint (inspect follows
+        # __wrapped__), and the native path would skip what it adds.
+        logger.info("kvpool: KVCacheManager.allocate_slots stays vLLM's Python: %s "
+                    "wrapped by other code", ", ".join(foreign))
+        return None
+    return release
+
+
 def apply(patcher) -> None:
     """Bind ``kvpool._core.kv_cache_manager_allocate_slots`` as
     ``KVCacheManager.allocate_slots``, ``kv_cache_coordinator_cache_blocks`` as
@@ -421,18 +441,8 @@ def apply(patcher) -> None:
     _bind_get_block_ids(patcher, kv_cache_manager.KVCacheBlocks)
     classes = _classes()
     patcher.require(classes["KVCacheManager"], "allocate_slots", "create_kv_cache_blocks")
-    release = matching_release(classes)
+    release = _bindable_release(classes)
     if release is None:
-        logger.info("kvpool: KVCacheManager.allocate_slots stays vLLM's Python: this vLLM's "
-                    "allocate_slots and the methods it calls are not those of a release "
-                    "kvpool's native path was checked against (%s)", ", ".join(KNOWN_SOURCES))
-        return
-    foreign = [f"{c}.{n}" for c, n in MIRRORED if _foreign_wrapper(getattr(classes[c], n, None))]
-    if foreign:
-        # functools.wraps hides a wrapper from the fingerprint (inspect follows
-        # __wrapped__), and the native path would skip what it adds.
-        logger.info("kvpool: KVCacheManager.allocate_slots stays vLLM's Python: %s "
-                    "wrapped by other code", ", ".join(foreign))
         return
     traits = release_traits(release)
     manager_cls = classes["KVCacheManager"]
