@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv at the repo root with vLLM 0.33.0 (no CUDA dependency tree) plus the
+# Create .venv at the repo root with vLLM 0.34.0, the newest release kvpool supports (no CUDA dependency tree), plus the
 # packages vllm.v1.core and the scheduler import on a CPU machine, then build kvpool
 # into it. Idempotent: a second run only rebuilds kvpool.
 #
@@ -18,7 +18,7 @@
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 use_cpu_platform
 PY="${PYTHON:-python3}"
-VLLM_VERSION="${KVPOOL_VLLM_VERSION:-0.33.0}"
+VLLM_VERSION="${KVPOOL_VLLM_VERSION:-0.34.0}"
 TORCH_VERSION="${KVPOOL_TORCH_VERSION:-2.13.0}"
 VENV="${KVPOOL_VENV:-.venv}"
 PINS="requirements/vllm-$VLLM_VERSION.txt"

@@ -15,7 +15,7 @@ echo "== kvpool tests"
 export KVPOOL_DIFF_OPS=100000 KVPOOL_POLICY_DIFF_OPS=100000 KVPOOL_SCHED_DIFF_STEPS=100000
 "$py" -m pytest tests -q -p no:cacheprovider
 
-echo "== benchmarks (vLLM 0.33.0 vs kvpool, same run)"
+echo "== benchmarks (vLLM 0.34.0 vs kvpool, same run)"
 "$py" -m pytest benchmarks -q -p no:cacheprovider --benchmark-only \
   --benchmark-json=.ci-out/benchmarks.json --benchmark-columns=median,iqr,rounds
 

@@ -119,7 +119,7 @@ def test_the_installed_vllm_s_files_give_the_sources_the_fingerprint_reads():
 
 
 @pytest.mark.parametrize(("version", "against"), [
-    ("0.34.0", "0.33.0"), ("9.9.9", "0.33.0"), ("0.29.0", "0.30.0"), ("0.32.0", "0.31.0"), ("0.30.0", "0.31.0"),
+    ("0.34.0", "0.33.0"), ("9.9.9", "0.34.0"), ("0.35.0", "0.34.0"), ("0.29.0", "0.30.0"), ("0.32.0", "0.31.0"), ("0.30.0", "0.31.0"),
     ("0.32.5", "0.32.0"),
 ])
 def test_nearest_known_release(version, against):

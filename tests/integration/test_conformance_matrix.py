@@ -44,4 +44,4 @@ def test_table_has_one_row_per_release_with_counts():
 def test_release_traits_are_one_row_per_release():
     traits = vllm_compat.release_traits()
     assert traits.version == vllm_compat._release(vllm_compat.installed_vllm_version())
-    assert [r.all_engine_utility_call for r in vllm_compat.VLLM_RELEASES.values()] == [False, False, True, True]
+    assert [r.all_engine_utility_call for r in vllm_compat.VLLM_RELEASES.values()] == [False, False, True, True, True]
