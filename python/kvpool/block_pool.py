@@ -424,7 +424,7 @@ class BlockPool(VllmBlockPool):
 
         The table figures come from counters the native free loop keeps
         (``FreeKVCacheBlockQueue.table_counters``): vLLM frees a request's block table
-        tail first (``SingleTypeKVCacheManager.free``, vLLM 0.30.0–0.33.0), so every
+        tail first (``SingleTypeKVCacheManager.free``, vLLM 0.30.0–0.34.0), so every
         table is counted whole once, when its request finishes or is preempted, with
         no per-allocation work in any policy.
 

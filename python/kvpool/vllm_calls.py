@@ -6,7 +6,7 @@ Where one of them is not vLLM's function any more, kvpool runs vLLM's code for t
 operation, which calls it exactly as vLLM does:
 
 - :data:`POOL_SELF_CALLS`: per ``BlockPool`` operation that kvpool runs natively, what
-  vLLM's version (``vllm/v1/core/block_pool.py``, 0.30.0-0.33.0) calls through ``self.``.
+  vLLM's version (``vllm/v1/core/block_pool.py``, 0.30.0-0.34.0) calls through ``self.``.
   ``BlockPool.get_new_blocks`` and ``evict_blocks`` check them on every call
   (``kvpool._core.VllmCallGuard``); kvpool's ``reset_prefix_cache``, ``free_blocks``,
   ``touch`` and ``unpin_blocks`` call theirs through ``self.`` as vLLM does.

@@ -5,7 +5,7 @@ Policies (``kvpool.install(allocation=...)``, or ``KVPOOL_ALLOCATION`` for the p
 and for ``install()`` without the argument):
 
 * ``"vllm"`` (the default, :mod:`kvpool.allocation.vllm_order`): vLLM's exact order
-  (``vllm.v1.core.kv_cache_utils.FreeKVCacheBlockQueue``, vLLM 0.30.0-0.33.0). Blocks
+  (``vllm.v1.core.kv_cache_utils.FreeKVCacheBlockQueue``, vLLM 0.30.0-0.34.0). Blocks
   freed without a prefix-cache hash are prepended (LIFO), blocks freed with one appended
   (LRU). The null policy: no manager hook, no allocation context, nothing per call.
   ``KVPOOL_REORDER_ON_IDLE=1`` adds one thing: whenever the last held block is freed,

@@ -4,7 +4,7 @@
 (``pool._policy``, built by :func:`kvpool.allocation.new_policy` when the pool is) and
 calls these hooks unconditionally, in the manner of SGLang's
 ``srt/mem_cache/allocator`` base class. The base class is vLLM's behaviour: every hook
-does nothing, or what vLLM 0.30.0-0.33.0's ``BlockPool`` does. A policy overrides
+does nothing, or what vLLM 0.30.0-0.34.0's ``BlockPool`` does. A policy overrides
 what it changes; whatever it changes must keep vLLM's prefix-cache semantics (the
 same blocks hit and evicted, in the same order, the same KV events and free counts),
 checked against vLLM's own pool by ``tests/pool/test_policy_differential.py``.
@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 
 class AllocationPolicy:
-    """vLLM's allocation order (``FreeKVCacheBlockQueue``, vLLM 0.30.0-0.33.0).
+    """vLLM's allocation order (``FreeKVCacheBlockQueue``, vLLM 0.30.0-0.34.0).
 
     Args:
         num_gpu_blocks: blocks in the pool the policy serves.

@@ -1,7 +1,7 @@
 """vLLM's allocation order: the null policy, and its restore-on-idle variant.
 
 ``VllmOrder`` is :class:`~kvpool.allocation.base.AllocationPolicy` itself: vLLM's
-``FreeKVCacheBlockQueue`` order (vLLM 0.30.0-0.33.0), no manager hook, no allocation
+``FreeKVCacheBlockQueue`` order (vLLM 0.30.0-0.34.0), no manager hook, no allocation
 context, no work per call. ``VllmOrderRestoreOnIdle`` (``KVPOOL_REORDER_ON_IDLE=1``)
 keeps that order and, whenever the last held block is freed, restores the uncached
 segment to ascending ``block_id`` order; the LRU segment keeps its order, so the

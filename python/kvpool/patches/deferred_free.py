@@ -1,6 +1,6 @@
 """Fenced deferred frees in native code, and the per-group eviction-order fix.
 
-Patches (applied by ``kvpool.install()``, undone by ``uninstall()``), for vLLM 0.30.0–0.33.0:
+Patches (applied by ``kvpool.install()``, undone by ``uninstall()``), for vLLM 0.30.0–0.34.0:
 
 * ``Scheduler.deferred_frees`` becomes a :class:`kvpool.FencedDeferredFreeQueue`
   (entries stored as native block handles).
@@ -8,7 +8,7 @@ Patches (applied by ``kvpool.install()``, undone by ``uninstall()``), for vLLM 0
   part per KV cache group, each group's blocks reversed, and
   ``_drain_deferred_frees`` frees each part with a ``free_blocks`` call of its own:
   exactly the calls the immediate path makes (``KVCacheCoordinator.free``: one
-  ``free_blocks(reversed(group_blocks))`` per single-type manager). vLLM 0.30.0–0.33.0
+  ``free_blocks(reversed(group_blocks))`` per single-type manager). vLLM 0.30.0–0.34.0
   free the flat allocation-order list reversed in one call, so for groups
   A=[1,2,3], B=[4,5,6] hashed blocks leave the LRU tail [6,5,4,3,2,1] instead of
   [3,2,1,6,5,4] (upstream fix #48532, seed 003), and unhashed blocks, which each
@@ -22,7 +22,7 @@ order, group by group; the caller frees them reversed). The scheduler asks the
 coordinator's single-type managers for the groups instead (:func:`pop_groups_for_free`).
 
 A scheduler whose ``deferred_frees`` was replaced by a plain ``deque`` (test code,
-mocks) keeps vLLM 0.30.0–0.33.0's convention for that deque, with one item per KV cache
+mocks) keeps vLLM 0.30.0–0.34.0's convention for that deque, with one item per KV cache
 group: ``(fence, group_blocks)`` in allocation order, freed ``reversed`` by the
 drain, so the pool sees the immediate path's calls there too.
 """
@@ -50,7 +50,7 @@ def pop_groups_for_free(kv_cache_manager, request) -> list[list]:
     KV cache group's blocks reversed (tail blocks evicted first), group by group.
 
     Reads the coordinator's single-type managers, as ``KVCacheCoordinator.free``
-    does (vllm/v1/core/kv_cache_coordinator.py, vLLM 0.30.0–0.33.0). A manager or
+    does (vllm/v1/core/kv_cache_coordinator.py, vLLM 0.30.0–0.34.0). A manager or
     coordinator class that overrides ``pop_blocks_for_free`` is asked through that
     override instead, and its result (allocation order, vLLM's contract) is freed
     as one call, reversed, as vLLM's scheduler does.

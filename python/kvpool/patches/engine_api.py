@@ -3,7 +3,7 @@
 kvpool's :class:`~kvpool.block_pool.BlockPool` offers both shapes the RFC proposes:
 ``reset_free_block_queue_order()`` (Option A) and
 ``reset_prefix_cache(reorder_free_queue=True)`` (Option B). This module plumbs them
-through the chain that vLLM 0.30.0–0.33.0 use for ``reset_prefix_cache``::
+through the chain that vLLM 0.30.0–0.34.0 use for ``reset_prefix_cache``::
 
     LLM / LLMEngine / AsyncLLM (and the EngineClient protocol the HTTP server calls)
       └── EngineCoreClient: InprocClient (direct call),
@@ -184,7 +184,7 @@ LAYERS: tuple[Layer, ...] = (
     clients send it only when it is True, so vLLM's own two-argument call (and a
     scheduler that predates the flag) is unchanged."""),
     # Clients. The data-parallel async clients override neither reset method in
-    # vLLM 0.30.0–0.33.0 and inherit AsyncMPClient's.
+    # vLLM 0.30.0–0.34.0 and inherit AsyncMPClient's.
     Layer("vllm.v1.engine.core_client:EngineCoreClient", "abstract",
           reorder_doc="Restore the canonical free-block-queue order in the engine core." + _NOT_IMPLEMENTED,
           reset_doc="""Reset the prefix cache; with ``reorder_free_queue``, then restore the canonical
@@ -239,7 +239,7 @@ LAYERS: tuple[Layer, ...] = (
 def coordinator_block_pools(coordinator: Any) -> list[Any]:
     """The distinct ``BlockPool`` objects a ``KVCacheCoordinator`` allocates from.
 
-    In vLLM 0.30.0–0.33.0 the coordinator builds one pool that all its single-type
+    In vLLM 0.30.0–0.34.0 the coordinator builds one pool that all its single-type
     managers share (unitary and full + sliding-window hybrids alike); in 0.33.0 a
     HiSparse source group replaces its manager's pool by a private host pool
     (``bind_host_pool``), so a coordinator can hold two. This is the set ``KVCacheCoordinator.reset_prefix_cache``
@@ -465,7 +465,7 @@ def _owner(path: str) -> type:
 
 
 def apply(patcher: Any) -> None:
-    """Add the reorder API at every layer of :data:`LAYERS` (vLLM 0.30.0–0.33.0; see the
+    """Add the reorder API at every layer of :data:`LAYERS` (vLLM 0.30.0–0.34.0; see the
     module docstring).
 
     Args:

@@ -16,8 +16,10 @@ ones included:
 - vLLM 0.34.0 walks from the queue's head and returns the stored blocks with
   ``free_blocks(..., evict_first=True)``: cached blocks at the *front* of the queue,
   which vLLM evicts next. A policy that keeps the front of the queue sorted by block id
-  (``allocation="contiguous"``) serves them by position instead, so they stay cached on
-  the GPU longer than on vLLM's pool: other GPU hits and evictions.
+  (``allocation="contiguous"``) serves them by position instead, and one that relinks the
+  uncached blocks by id when the pool empties (``KVPOOL_REORDER_ON_IDLE=1``) sorts them
+  among those: they leave the GPU's prefix cache at other moments than on vLLM's pool
+  (later or sooner): other GPU hits and evictions.
 
 The policies that order the free queue otherwise than vLLM (``allocation="contiguous"``;
 ``KVPOOL_REORDER_ON_IDLE=1``: relinked by id when the pool empties) keep every
@@ -44,7 +46,8 @@ from kvpool.vllm_compat import release_traits
 if release_traits().free_blocks_evict_first:
     _WALK = ("from its head, and returns them with evict_first=True to the front, where "
              "vLLM evicts them next")
-    _CONSEQUENCE = "those blocks would stay cached on the GPU longer, with other hits and evictions"
+    _CONSEQUENCE = ("those blocks would leave the GPU's prefix cache at other moments (later or sooner), "
+                    "with other hits and evictions")
 else:
     _WALK = "from a saved cursor block"
     _CONSEQUENCE = "the CPU tier would get other stores and fewer hits"

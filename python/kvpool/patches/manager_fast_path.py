@@ -3,7 +3,7 @@ module; issue 17).
 
 What it replaces: in every engine step vLLM's scheduler calls
 ``KVCacheManager.allocate_slots`` once per running request
-(``vllm/v1/core/kv_cache_manager.py``, vLLM 0.30.0-0.33.0). For a model with one
+(``vllm/v1/core/kv_cache_manager.py``, vLLM 0.30.0-0.34.0). For a model with one
 full-attention KV cache group (``UnitaryKVCacheCoordinator`` over one
 ``FullAttentionManager``: most dense models) and a running request (no new prefix hit,
 no connector or encoder tokens), that call walks five Python layers (the manager, the

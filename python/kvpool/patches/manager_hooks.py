@@ -6,7 +6,7 @@ The default policy runs vLLM's managers unwrapped: no kvpool frame between a
 manager's ``allocate_new_blocks`` and the pool's ``get_new_blocks``.
 
 * every single-type manager class that defines ``allocate_new_blocks`` /
-  ``allocate_external_computed_blocks`` (vLLM 0.30.0-0.33.0: full attention, sliding
+  ``allocate_external_computed_blocks`` (vLLM 0.30.0-0.34.0: full attention, sliding
   window, chunked local, mamba, cross attention, ...) gets it wrapped, so the pool knows
   the block table ``(manager, request_id)`` the allocation extends
   (``pool._table_context`` -> :meth:`AllocationPolicy.extend_table`); subclasses

@@ -1,6 +1,6 @@
 """Block-pool fragmentation as Prometheus metrics on vLLM's own ``/metrics``.
 
-vLLM 0.30.0–0.33.0 move metrics from the engine core to the API server in
+vLLM 0.30.0–0.34.0 move metrics from the engine core to the API server in
 ``SchedulerStats``: ``Scheduler.make_stats()`` builds one per step (when stats are
 logged), it travels inside ``EngineCoreOutputs`` (msgspec over ZMQ, or in process), and
 the frontend's ``StatLoggerManager`` hands it to every stat logger's ``record()``,
@@ -224,7 +224,7 @@ def _add_stats_field(patcher, cls) -> None:
 
 
 def apply(patcher) -> None:
-    """Patch vLLM 0.30.0–0.33.0 so kvpool's pool metrics reach ``/metrics`` (module docstring).
+    """Patch vLLM 0.30.0–0.34.0 so kvpool's pool metrics reach ``/metrics`` (module docstring).
 
     Run by ``kvpool.install()`` (``patching.PATCH_MODULES``); every change goes through
     ``patcher`` and is undone by ``uninstall()``.
