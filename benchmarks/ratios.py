@@ -53,13 +53,23 @@ TARGETS = {
 #: drain got cheaper: its alloc + free of 2,100 blocks takes 0.44 ms where 0.33.0's took
 #: 0.80 ms (kvpool's 0.020 ms on both), the contiguous policy's pair 0.30 ms (0.79), the
 #: whole pool 19.7 ms (32.4), the drain 0.19 ms (0.25), on the 2-core machine
-#: (docs/performance.md, "vLLM 0.34.0"). kvpool's own times did not move.
+#: (docs/performance.md, "vLLM 0.34.0"). kvpool's own times did not move, except touch +
+#: free of 2,100 hashed blocks (0.031 ms on 0.34.0, 0.025 ms on 0.33.0; not yet
+#: explained). The scheduler step's ratios fall with vLLM's cheaper pool calls: a quiet
+#: run measured serving 1.34x (contiguous 1.23x), grpo 1.24x (1.20x) on 0.34.0, where
+#: issue 17's targets (1.43x / 1.33x) hold on 0.33.0; those targets are not met on 0.34.0
+#: yet, and the gates below keep what 0.34.0 measures from regressing.
 TARGETS_BY_RELEASE: dict[str, dict[str, float]] = {
     "0.34.0": {
         "alloc_free_2100": 15,
         "alloc_free_2100_contiguous": 8,
         "alloc_free_whole_pool": 10,
         "deferred_drain_2100": 12,
+        "touch_free_2100_hashed": 12,
+        "scheduler_step_serving": 1.25,
+        "scheduler_step_serving_contiguous": 1.15,
+        "scheduler_step_grpo": 1.15,
+        "scheduler_step_grpo_contiguous": 1.1,
     },
 }
 
