@@ -14,8 +14,11 @@ from kvpool.vllm_compat import release_traits
 
 VllmBlockHashToBlockMap = _vllm_block_pool.BlockHashToBlockMap
 
+#: The traits of the installed vLLM (the nearest release kvpool knows) that kvpool's
+#: classes are set up with, once, at import (kvpool.block_pool reads them here too).
+TRAITS = release_traits()
 #: True when the installed vLLM's map stores block ids (vLLM >= 0.34.0).
-BLOCK_IDS_MAP: bool = release_traits().block_ids_map
+BLOCK_IDS_MAP: bool = TRAITS.block_ids_map
 
 
 class _ObjectsMap(VllmBlockHashToBlockMap):
@@ -86,4 +89,4 @@ def new_map(blocks) -> VllmBlockHashToBlockMap:
     return BlockHashToBlockMap(blocks) if BLOCK_IDS_MAP else BlockHashToBlockMap()
 
 
-__all__ = ["BLOCK_IDS_MAP", "BlockHashToBlockMap", "VllmBlockHashToBlockMap", "new_map"]
+__all__ = ["BLOCK_IDS_MAP", "TRAITS", "BlockHashToBlockMap", "VllmBlockHashToBlockMap", "new_map"]

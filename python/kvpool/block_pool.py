@@ -28,9 +28,8 @@ from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared
 from vllm.v1.core import block_pool as _vllm_block_pool
 
 from kvpool import allocation, envs
-from kvpool.block_hash_map import BLOCK_IDS_MAP, BlockHashToBlockMap, new_map
+from kvpool.block_hash_map import BLOCK_IDS_MAP, TRAITS as _TRAITS, BlockHashToBlockMap, new_map
 from kvpool.errors import NotAKvpoolPoolError
-from kvpool.vllm_compat import release_traits
 from kvpool.vllm_calls import POOL_SELF_CALLS
 from kvpool._core import (
     BlockTable,
@@ -62,7 +61,6 @@ VllmBlockPool = _vllm_block_pool.BlockPool
 _GET_NEW_BLOCKS_CALLS = VllmCallGuard(VllmBlockPool, POOL_SELF_CALLS["get_new_blocks"])
 _EVICT_BLOCKS_CALLS = VllmCallGuard(VllmBlockPool, POOL_SELF_CALLS["evict_blocks"])
 
-_TRAITS = release_traits()
 # vLLM >= 0.34.0: blocks hold their pool weakly (BlockPool._weak_self).
 _WEAK_BLOCK_POOL = _TRAITS.weak_block_pool
 configure_block_fields(_TRAITS.public_block_hash, _TRAITS.weak_block_pool)

@@ -4,16 +4,15 @@ by release) and the native manager path probe each release's report carries
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import tarfile
 from pathlib import Path
 
 import pytest
 
 from kvpool.conformance import cli, matrix, probe, report, sdist, suites, workdir
 from kvpool.hf_offline import materialize_hf_cache
+from tests.support.sdist import write_sdist
 
 LIFECYCLE = "tests/v1/kv_connector/unit/test_kv_connector_lifecycle.py"
 VECTORS = "rust/src/engine-core-client/src/tests/prompt_block_hash_vectors.json"
@@ -56,13 +55,7 @@ def _sdist_with_vectors(path: Path) -> Path:
         VECTORS: '{"vectors": []}\n',
         "rust/src/engine-core-client/src/lib.rs": "// not extracted\n",
     }
-    with tarfile.open(path, "w:gz") as tar:
-        for name, text in files.items():
-            data = text.encode()
-            info = tarfile.TarInfo(f"vllm-0.34.0/{name}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
+    return write_sdist(path, "0.34.0", files)
 
 
 def test_the_data_file_lands_at_its_sdist_path_and_nothing_else_of_rust(tmp_path):

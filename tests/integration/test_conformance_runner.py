@@ -11,12 +11,10 @@ difference between the vanilla and the kvpool run without fetching vLLM's tests.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import subprocess
 import sys
-import tarfile
 import textwrap
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from kvpool.cpu_platform import cpu_environment
 from kvpool.hf_offline import CONFIG_ROOT, materialize_hf_cache, offline_env, shipped_models
 
 from tests.support.paths import REPO
+from tests.support.sdist import write_sdist
 
 
 def run(mode: str, outcomes: dict[str, str], **kw) -> RunResult:
@@ -326,19 +325,13 @@ def test_install_plugin_import_fails_loudly(patch, expected):
 
 
 def _fake_sdist(path: Path, version: str = "0.33.0") -> Path:
-    members = {
-        f"vllm-{version}/tests/__init__.py": b"",
-        f"vllm-{version}/tests/v1/test_x.py": b"def test_x():\n    pass\n",
-        f"vllm-{version}/pyproject.toml": b"[tool.pytest.ini_options]\n",
-        f"vllm-{version}/vllm/__init__.py": b"raise RuntimeError('sdist code must not be extracted')\n",
-        f"vllm-{version}/setup.py": b"",
-    }
-    with tarfile.open(path, "w:gz") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
+    return write_sdist(path, version, {
+        "tests/__init__.py": b"",
+        "tests/v1/test_x.py": b"def test_x():\n    pass\n",
+        "pyproject.toml": b"[tool.pytest.ini_options]\n",
+        "vllm/__init__.py": b"raise RuntimeError('sdist code must not be extracted')\n",
+        "setup.py": b"",
+    })
 
 
 def _disk_index(root: Path, tarball: Path, sha: str) -> str:
@@ -452,13 +445,7 @@ def _e2e_sdist(path: Path, replace: dict[str, str] | None = None) -> Path:
         "tests/v1/core/test_e2e.py": E2E_TESTS,
         **(replace or {}),
     }
-    with tarfile.open(path, "w:gz") as tar:
-        for name, text in files.items():
-            data = text.encode()
-            info = tarfile.TarInfo(f"vllm-0.33.0/{name}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
+    return write_sdist(path, "0.33.0", files)
 
 
 def _kvpool_core_missing() -> str | None:
