@@ -52,6 +52,7 @@ cdef class _AllocateSlotsFastPath:
     cdef public Py_ssize_t fast_calls, vllm_calls
     # The native cache_blocks (coordinator.cache_blocks -> BlockPool.cache_full_blocks):
     cdef public object pool_cls, hash_map_cls   # kvpool's BlockPool, BlockHashToBlockMap
+    cdef public object pool_free_count    # vLLM's BlockPool.get_num_free_blocks, or None
     cdef public tuple pool_names          # pool methods that must not be set on the instance
     cdef public tuple cache_checks        # ((cls, name, function), ...) of the pool and map
     cdef public tuple map_names           # map methods that must not be set on the instance
@@ -262,6 +263,11 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
     # (_fill_checks above raised for a namespace that is not a dict)
     _fast_path.native_cache = bool(native_cache) and pool_cls is not None and hash_map_cls is not None
     _fast_path.vanilla_cache_blocks = vanilla_cache_blocks
+    _fast_path.pool_free_count = None
+    if _fast_path.native_cache:   # (kvpool's pool inherits vLLM's caching methods and count)
+        for cls, name, func in _fast_path.cache_checks:
+            if cls is pool_cls and name == "get_num_free_blocks":
+                _fast_path.pool_free_count = func
     _fast_path.pool_tag = 0
     _fast_path.map_tag = 0
     _fast_path.check_prefix_cacheable = check_prefix_cacheable
@@ -618,7 +624,9 @@ cdef bint _native_free_count(_AllocateSlotsFastPath fp, pool, long long* out) ex
     method the pool's class and instance have; False (nothing read) otherwise, or
     when the count is negative (a test's assignment), for vLLM's call to decide."""
     cdef Py_ssize_t n
-    if _native_map_cache(fp, pool, _FREE_COUNT_NAMES) is None:
+    if (fp.pool_free_count is None or type(pool) is not fp.pool_cls
+            or getattr(fp.pool_cls, "get_num_free_blocks", None) is not fp.pool_free_count
+            or not _not_overridden(pool, _FREE_COUNT_NAMES)):
         return False
     queue = pool.free_block_queue
     if type(queue) is not FreeKVCacheBlockQueue:
