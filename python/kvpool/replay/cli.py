@@ -108,6 +108,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-tables", action="store_true",
                    help="with --json: keep every round's per-request block tables (prompt and final) "
                    "in the JSON, for `python -m kvpool locality --replay-tables`")
+    p.add_argument("--nixl", action="store_true",
+                   help="--workload pd: also read every prompt prefill -> decode through the real NIXL "
+                   "(two agents, UCX over loopback TCP) and report NIXL's descriptor count and posting "
+                   "time (needs NIXL: pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--quiet", action="store_true", help="no tables (implies --no-progress)")
 
@@ -313,9 +317,10 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         try:
             with _Progress(args, wl, err) as progress:
                 modes = run_replay(wl, pool, args.modes, seed=args.seed, on_round=progress.on_round,
-                                   on_skip=progress.on_skip, save_tables=args.save_tables)
-        except (ValueError, RuntimeError) as e:  # workload does not fit the pool, no progress
-            err.print(f"python -m kvpool replay: error: {e}")
+                                   on_skip=progress.on_skip, save_tables=args.save_tables,
+                                   nixl=getattr(args, "nixl", False))
+        except (ValueError, RuntimeError) as e:  # doesn't fit the pool, no progress, no NIXL
+            err.print(f"python -m kvpool replay: error: {e}", soft_wrap=True, markup=False)
             return 2
         out = build_report(args, getattr(args, "argv", sys.argv[2:]), wl, pool, modes, time.perf_counter() - t0)
         _write_outputs(out, args, args.json_path, args.plot_path, console, err)

@@ -65,6 +65,8 @@ def _aggregate(rounds: list[dict[str, Any]]) -> ModeComparison:
         offload_blocks_per_copy=offloaded / copies if copies else None,
         pd_descriptors_total=_total_if_any(rounds, "pd_descriptors_total"),
         prefill_prompt_descriptors_total=_total_if_any(rounds, "prefill_prompt_descriptors_total"),
+        nixl_descriptors_total=_total_if_any(rounds, "nixl_descriptors_total"),
+        nixl_post_us_total=_total_if_any(rounds, "nixl_post_us_total"),
     )
 
 

@@ -290,6 +290,17 @@ def render_tables(report: dict[str, Any], console) -> None:
             "and the prefill side's own", [("P/D median", "pd_descriptors_median", _count),
                                            ("P/D total", "pd_descriptors_total", _count),
                                            ("prefill total", "prefill_prompt_descriptors_total", _count)]))
+    if any(x.get("nixl_descriptors_total") is not None for r in modes.values() for x in r["rounds"]):
+        console.print(*_per_round(
+            modes, n, warm, console.width,
+            "P/D through the real NIXL (every KV region; posting and completion in microseconds, "
+            "UCX over loopback TCP, not RDMA)",
+            [("NIXL desc. median", "nixl_descriptors_median", _count),
+             ("NIXL desc. p90", "nixl_descriptors_p90", _count),
+             ("NIXL desc. total", "nixl_descriptors_total", _count),
+             ("post us median", "nixl_post_us_median", _count),
+             ("post us total", "nixl_post_us_total", _count),
+             ("xfer us median", "nixl_xfer_us_median", _count)]))
     ref_mode = "vanilla" if "vanilla" in modes else next(iter(modes))
     console.print(_cache_table(modes, n, ref_mode))
     if wl.get("continuous"):

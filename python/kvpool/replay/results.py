@@ -99,6 +99,17 @@ class RoundResult:
     pd_descriptors_p90: int | None = field(default=None, metadata=_OPTIONAL)
     pd_descriptors_max: int | None = field(default=None, metadata=_OPTIONAL)
     pd_descriptors_total: int | None = field(default=None, metadata=_OPTIONAL)
+    #: ``--nixl`` only: each prompt read by the decode side through the real NIXL
+    #: (:mod:`kvpool.replay.nixl`): NIXL's own descriptor count (``descCount``, every KV
+    #: region), posting time and completion time (microseconds, UCX over loopback TCP).
+    nixl_descriptors_median: int | None = field(default=None, metadata=_OPTIONAL)
+    nixl_descriptors_p90: int | None = field(default=None, metadata=_OPTIONAL)
+    nixl_descriptors_total: int | None = field(default=None, metadata=_OPTIONAL)
+    nixl_post_us_median: float | None = field(default=None, metadata=_OPTIONAL)
+    nixl_post_us_total: float | None = field(default=None, metadata=_OPTIONAL)
+    nixl_xfer_us_median: float | None = field(default=None, metadata=_OPTIONAL)
+    nixl_xfer_us_total: float | None = field(default=None, metadata=_OPTIONAL)
+    nixl_regions: int | None = field(default=None, metadata=_OPTIONAL)
     #: ``--save-tables``: ``{"prompt": [...], "finished": [...]}``, one ``list[int]`` per request
     #: (P/D: also ``"prefill_prompt"``, the prefill side's prompt tables).
     tables: dict[str, list[list[int]]] | None = field(default=None, metadata=_OPTIONAL)
@@ -244,6 +255,9 @@ class ModeComparison:
     #: prefill side's own prompt descriptors.
     pd_descriptors_total: int | None = field(default=None, metadata={**_TRANSFER, **_OPTIONAL})
     prefill_prompt_descriptors_total: int | None = field(default=None, metadata={**_TRANSFER, **_OPTIONAL})
+    #: ``--nixl`` only: NIXL's descriptors and posting time over all rounds.
+    nixl_descriptors_total: int | None = field(default=None, metadata={**_TRANSFER, **_OPTIONAL})
+    nixl_post_us_total: float | None = field(default=None, metadata={**_TRANSFER, **_OPTIONAL})
 
     def to_json(self) -> dict[str, Any]:
         added = [f for f in fields(self) if f.metadata.get("transfer")]

@@ -102,8 +102,9 @@ class ModeRun:
     """
 
     def __init__(self, mode: str | Mode, workload: Workload, pool: PoolSpec, seed: int,
-                 save_tables: bool = False) -> None:
+                 save_tables: bool = False, nixl=None) -> None:
         self.mode = mode = _modes.get(mode)
+        self._nixl = nixl  # P/D: each prompt also read through this NixlTransfer
         self.rounds: list[RoundResult] = []
         _modes.set_mode(mode)
         wall0 = time.perf_counter()
@@ -138,7 +139,7 @@ class ModeRun:
                                save_tables=save_tables or prefill is not None)
             result = replace(result, **between)
             if prefill is not None:
-                result = _with_prefill_side(result, prefill, save_tables)
+                result = _with_prefill_side(result, prefill, save_tables, self._nixl)
             yield result
 
     def next_round(self) -> bool:
@@ -182,13 +183,19 @@ def run_mode(mode: str | Mode, workload: Workload, pool: PoolSpec, seed: int,
     return run.result()
 
 
-def _with_prefill_side(decode: RoundResult, prefill: RoundResult, save_tables: bool) -> RoundResult:
+def _with_prefill_side(decode: RoundResult, prefill: RoundResult, save_tables: bool, nixl=None) -> RoundResult:
     """The decode side's round with the prefill side's figures and the P/D transfer's:
-    each request's prompt table on both sides (the same requests, in request order)."""
+    each request's prompt table on both sides (the same requests, in request order);
+    with ``nixl`` (a :class:`kvpool.replay.nixl.NixlTransfer`) each prompt is also read
+    through it, NIXL's figures in the ``nixl_*`` fields."""
     p_tables, d_tables = prefill.tables["prompt"], decode.tables["prompt"]
     if len(p_tables) != len(d_tables):
         raise RuntimeError(f"round {decode.round}: {len(p_tables)} prefill-side prompts, {len(d_tables)} decode-side")
     pd = metrics.spread([metrics.pd_descriptors(p, d) for p, d in zip(p_tables, d_tables)])
+    if nixl is not None:
+        from kvpool.replay.nixl import round_fields
+
+        decode = replace(decode, **round_fields(nixl, p_tables, d_tables))
     return replace(
         decode,
         prefill_prompt_descriptors_median=prefill.prompt_descriptors_median,
@@ -204,22 +211,36 @@ def _with_prefill_side(decode: RoundResult, prefill: RoundResult, save_tables: b
 def run_replay(workload: Workload, pool: PoolSpec, modes: tuple[str, ...] = _modes.MODES, seed: int = 0,
                on_round: Callable[[str, int], None] | None = None,
                on_skip: Callable[[str, str], None] | None = None,
-               save_tables: bool = False) -> dict[str, ModeResult]:
+               save_tables: bool = False, nixl: bool = False) -> dict[str, ModeResult]:
     """Run ``workload`` in each of ``modes``, the modes' rounds interleaved (round 0 of
     every mode, then round 1, ...: :class:`ModeRun`); kvpool is uninstalled afterwards.
 
     ``save_tables``: keep each round's per-request block tables (see :func:`~.loop.run_round`).
+    ``nixl``: a P/D workload's prompts are also read through the real NIXL, one agent
+    pair shared by the modes (:mod:`kvpool.replay.nixl`).
 
     Returns:
         mode name -> :class:`ModeResult`, in the order of ``modes``; a mode that cannot
         run (:class:`ModeUnavailable`) is reported as skipped, not raised.
+
+    Raises:
+        ValueError: ``nixl`` for a workload without a prefill side.
+        kvpool.replay.nixl.NixlUnavailable: ``nixl`` where NIXL does not import.
     """
     results: dict[str, ModeResult] = {}
     runs: dict[str, ModeRun] = {}
+    transfer = None
+    if nixl:
+        if workload.prefill is None:
+            raise ValueError("--nixl needs a P/D workload (--workload pd): the prompts it moves are "
+                             "the prefill side's")
+        from kvpool.replay.nixl import NixlTransfer
+
+        transfer = NixlTransfer(pool.num_blocks)
     try:
         for mode in modes:
             try:
-                runs[str(mode)] = ModeRun(mode, workload, pool, seed, save_tables)
+                runs[str(mode)] = ModeRun(mode, workload, pool, seed, save_tables, transfer)
                 results[str(mode)] = None  # (its place in the order of modes)
             except ModeUnavailable as e:
                 results[str(mode)] = ModeResult(skipped=str(e))
@@ -235,6 +256,8 @@ def run_replay(workload: Workload, pool: PoolSpec, modes: tuple[str, ...] = _mod
                     on_round(name, len(run.rounds) - 1)
     finally:
         _modes.restore_vanilla()
+        if transfer is not None:
+            transfer.close()
     for name, run in runs.items():
         results[name] = run.result()
     return results
