@@ -46,7 +46,7 @@ pip() {
 }
 
 # Re-run the dependency step when the requirement lists change, not only on a new venv.
-req_hash="$(cat requirements/dev.txt requirements/vllm-cpu-runtime.txt "$PINS" | sha1sum | cut -c1-12)"
+req_hash="$(cat requirements/dev.txt requirements/vllm-cpu-runtime.txt requirements/nixl.txt "$PINS" | sha1sum | cut -c1-12)"
 stamp="$VENV/.kvpool-deps-$VLLM_VERSION-$req_hash"
 if [ ! -f "$stamp" ]; then
   step "upgrading pip"
@@ -63,6 +63,9 @@ if [ ! -f "$stamp" ]; then
   pip install -q --no-deps "$(grep -E '^xgrammar==' "$PINS")"
   step "installing the test and benchmark tools (requirements/dev.txt)"
   pip install -q -r requirements/dev.txt -c "$PINS"
+  # NIXL for `replay --nixl`, without the CUDA torch plain `pip install nixl` pulls.
+  step "installing NIXL's slim set (requirements/nixl.txt)"
+  pip install -q --no-deps -r requirements/nixl.txt
   touch "$stamp"
 else
   step "dependencies of $VENV up to date (vLLM $VLLM_VERSION)"
