@@ -109,6 +109,18 @@ def test_a_transfer_that_never_completes_times_out(transfer, monkeypatch):
         transfer.read([1, 2, 3], [4, 5, 6])
 
 
+def test_an_error_inside_nixl_is_a_transfer_error(transfer, monkeypatch):
+    def fail(*args, **kwargs):
+        raise Exception("NIXL_ERR_BACKEND")   # what nixl's bindings raise: not a RuntimeError
+    monkeypatch.setattr(transfer._decode, "check_xfer_state", fail)
+    real = transfer._decode.transfer
+    monkeypatch.setattr(transfer._decode, "transfer", lambda handle, *a: real(handle, *a) and "PROC")
+    with pytest.raises(NixlTransferError, match="NIXL_ERR_BACKEND"):
+        transfer.read([1], [2])
+    monkeypatch.undo()
+    assert transfer.read([1], [2]).descriptors == transfer.num_regions   # the pair still works
+
+
 def test_tables_of_different_lengths(transfer):
     with pytest.raises(ValueError, match="different lengths"):
         transfer.read([1, 2], [3])

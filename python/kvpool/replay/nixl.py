@@ -176,7 +176,11 @@ class NixlTransfer:
         remote = desc_ids(prefill_ids, self.num_blocks, self.num_regions)
         local = desc_ids(decode_ids, self.num_blocks, self.num_regions)
         decode = self._decode
-        handle = decode.make_prepped_xfer("READ", self._local, local, self._remote, remote, notif_msg=b"kvpool")
+        try:
+            handle = decode.make_prepped_xfer("READ", self._local, local, self._remote, remote,
+                                              notif_msg=b"kvpool")
+        except Exception as e:  # (NIXL's own exception types)
+            raise NixlTransferError(f"NIXL could not prepare a transfer of {len(decode_ids)} blocks: {e}") from e
         try:
             state = decode.transfer(handle)
             deadline = time.monotonic() + self.timeout_s
@@ -189,6 +193,10 @@ class NixlTransfer:
             if state != "DONE":
                 raise NixlTransferError(f"NIXL reported {state} for a transfer of {len(decode_ids)} blocks")
             telemetry = decode.get_xfer_telemetry(handle)
+        except NixlTransferError:
+            raise
+        except Exception as e:  # (NIXL's own exception types)
+            raise NixlTransferError(f"NIXL failed a transfer of {len(decode_ids)} blocks: {e}") from e
         finally:
             decode.release_xfer_handle(handle)
         self._prefill.get_new_notifs()   # (consume the completion notification)
