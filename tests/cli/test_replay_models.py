@@ -197,12 +197,22 @@ def test_mamba_model_runs_every_mode_and_keeps_few_state_blocks(tmp_path):
                 assert 1 <= g["live_blocks_per_prompt"] <= 2
 
 
-def test_dense_model_through_vllm_with_num_blocks(tmp_path):
-    rep = _replay(tmp_path, *SHORT, "--model", DENSE, "--num-blocks", "600", "--block-size", "16",
-                  modes=_modes())
+def test_dense_model_through_vllm_allocates_as_the_hand_built_group(tmp_path):
+    """``--model Qwen/Qwen3-0.6B --num-blocks N --block-size B``: vLLM resolves one
+    full-attention group of N blocks of B tokens, and every round's tables, hits and
+    evictions are those of the run without ``--model`` (the hand-built group)."""
+    pool = ("--num-blocks", "600", "--block-size", "16")
+    rep = _replay(tmp_path, *SHORT, "--model", DENSE, *pool, modes=_modes())
     _check_run(rep, {"FullAttentionSpec"})
     geo = rep["config"]["kv_cache_geometry"]
     assert geo["num_blocks"] == 600 and geo["block_size"] == 16 and geo["kv_memory_bytes"] is None
+    (tmp_path / "plain").mkdir()
+    plain = _replay(tmp_path / "plain", *SHORT, *pool, modes=("vanilla",))
+    assert "kv_cache_geometry" not in plain["config"]
+    keys = ("table_digest", "eviction_digest", "prefix_cache_hit_tokens", "num_steps")
+    assert [[x[k] for k in keys] for x in rep["modes"]["vanilla"]["rounds"]] == \
+        [[x[k] for k in keys] for x in plain["modes"]["vanilla"]["rounds"]]
+    assert all("by_group" not in x for x in plain["modes"]["vanilla"]["rounds"])
 
 
 def test_kv_memory_needs_a_model(tmp_path):

@@ -247,12 +247,18 @@ def resolve(vllm_config, *, kv_memory_bytes: int | None = None, num_blocks: int 
     Raises:
         ValueError: neither or both sizes; the memory does not hold one request of
             ``max_model_len`` tokens (vLLM's own check); a layer type the replay does
-            not know.
+            not know; a vLLM release without 0.34.0's planning functions.
     """
-    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, resolve_kv_cache_block_sizes
-    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    try:
+        from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+        from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, resolve_kv_cache_block_sizes
+        from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    except ImportError as e:  # (the planning API of vLLM 0.34.0)
+        import vllm
+
+        raise ValueError(f"--model resolves the KV cache with vLLM 0.34.0's planning functions; vLLM "
+                         f"{vllm.__version__} lacks them ({e})") from e
 
     if (kv_memory_bytes is None) == (num_blocks is None):
         raise ValueError("give exactly one of kv_memory_bytes and num_blocks")
