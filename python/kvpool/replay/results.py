@@ -99,11 +99,6 @@ class RoundResult:
     pd_descriptors_p90: int | None = field(default=None, metadata=_OPTIONAL)
     pd_descriptors_max: int | None = field(default=None, metadata=_OPTIONAL)
     pd_descriptors_total: int | None = field(default=None, metadata=_OPTIONAL)
-    #: ``--model`` runs: per KV cache group (vLLM's order) ``{"group", "kind", "block_size",
-    #: "contiguity", "table_contiguity", "mean_run_length", "prompt_blocks",
-    #: "live_blocks_per_prompt"}`` over each table's non-null blocks
-    #: (``metrics.group_figures``; docs/replay.md, "Model shapes").
-    by_group: list[dict[str, Any]] | None = field(default=None, metadata=_OPTIONAL)
     #: ``--save-tables``: ``{"prompt": [...], "finished": [...]}``, one ``list[int]`` per request
     #: (P/D: also ``"prefill_prompt"``, the prefill side's prompt tables).
     tables: dict[str, list[list[int]]] | None = field(default=None, metadata=_OPTIONAL)
@@ -112,6 +107,11 @@ class RoundResult:
     reset_cpu_s: float | None = field(default=None, metadata=_OPTIONAL)
     reorder_ok: bool | None = field(default=None, metadata=_OPTIONAL)
     reorder_cpu_s: float | None = field(default=None, metadata=_OPTIONAL)
+    #: ``--model`` runs: per KV cache group (vLLM's order) ``{"group", "kind", "block_size",
+    #: "contiguity", "table_contiguity", "mean_run_length", "prompt_blocks",
+    #: "live_blocks_per_prompt"}`` over each table's non-null blocks
+    #: (``metrics.group_figures``; docs/replay.md, "Model shapes").
+    by_group: list[dict[str, Any]] | None = field(default=None, metadata=_OPTIONAL)
     #: Not in the JSON: whether the *window* fields are.
     window: bool = field(default=False, repr=False, metadata={"internal": True})
 
