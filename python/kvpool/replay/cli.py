@@ -67,6 +67,12 @@ DESCRIPTION = (
 )
 
 
+def _models() -> list[str]:
+    from kvpool.hf_offline import shipped_models
+
+    return shipped_models()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvpool replay", description=DESCRIPTION)
     add_cli_args(p)
@@ -87,9 +93,18 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="serving and continuous traces: engine steps per round (default 1000)")
     p.add_argument("--in-flight", type=_range, metavar="LO,HI",
                    help="serving: requests in flight (default 32,64)")
+    p.add_argument("--model", metavar="NAME",
+                   help="the model whose KV cache the scheduler gets, resolved by vLLM's own code (groups, specs, "
+                   f"block sizes, blocks; docs/replay.md, 'Model shapes'): one of {', '.join(_models())}. "
+                   "Default: the workload's model (Qwen/Qwen3-0.6B) with one hand-built full-attention group")
+    p.add_argument("--kv-memory-gib", type=cliargs.positive_float, metavar="X",
+                   help="with --model: KV cache memory in GiB, which vLLM divides into blocks "
+                   "(default: --num-blocks blocks)")
     p.add_argument("--num-blocks", type=cliargs.positive_int, default=85_000,
                    help="KV blocks in the pool (default 85000)")
-    p.add_argument("--block-size", type=cliargs.positive_int, default=32, help="tokens per block (default 32)")
+    p.add_argument("--block-size", type=cliargs.positive_int,
+                   help="tokens per block (default 32; with --model: vLLM's --block-size, default the attention "
+                   "backend's preferred size, raised by vLLM for hybrid models)")
     p.add_argument("--seed", type=int, default=0, help="seed for lengths and token ids (default 0)")
     p.add_argument("--scale", type=cliargs.positive_float, default=1.0,
                    help="multiply output lengths (a number > 0, e.g. 0.05)")
@@ -139,6 +154,10 @@ def make_workload(args: argparse.Namespace) -> Workload:
                 raise SystemExit(f"replay: --{key.replace('_', '-')} applies to --workload serving and traces")
             kwargs[key] = value
         wl = WORKLOADS[args.workload](**kwargs)
+    if getattr(args, "model", None):
+        wl = replace(wl, engine=replace(wl.engine, model=args.model))
+        if wl.prefill is not None:  # P/D: both sides
+            wl.prefill = replace(wl.prefill, engine=replace(wl.prefill.engine, model=args.model))
     if args.prefix_caching is not None:
         on = args.prefix_caching == "on"
         wl = replace(wl, engine=replace(wl.engine, enable_prefix_caching=on))
@@ -234,9 +253,10 @@ class _Progress:
 
 
 def build_report(args: argparse.Namespace, argv: list[str], wl: Workload, pool: PoolSpec,
-                 modes: dict[str, Any], wall: float) -> dict[str, Any]:
+                 modes: dict[str, Any], wall: float, geometry: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``--json`` report (docs/replay.md, "JSON layout"): ``modes`` is the runner's
-    mode name -> :class:`~.results.ModeResult`."""
+    mode name -> :class:`~.results.ModeResult`; ``geometry`` the resolved
+    ``KvGeometry.to_json()`` of a ``--model`` run."""
     modes_json = {m: r.to_json() for m, r in modes.items()}
     out = {
         "workload": wl.to_json(),
@@ -244,6 +264,7 @@ def build_report(args: argparse.Namespace, argv: list[str], wl: Workload, pool: 
             num_blocks=pool.num_blocks, block_size=pool.block_size, seed=args.seed, scale=args.scale,
             model=wl.engine.model, max_model_len=wl.max_model_len(), modes_requested=list(args.modes),
             argv=["python", "-m", "kvpool", "replay", *argv], wall_s=wall, versions=_versions(),
+            kv_cache_geometry=geometry,
         ).to_json(),
         "modes": modes_json,
         "comparison": compare(modes_json),
@@ -272,9 +293,22 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     ``args.json_path`` and ``args.plot_path``."""
     if args.num_blocks < 2:
         parser.error("argument --num-blocks: expected an integer >= 2")
+    if getattr(args, "model", None) is None:
+        if getattr(args, "kv_memory_gib", None) is not None:
+            parser.error("--kv-memory-gib needs --model (the default model's pool is --num-blocks x --block-size)")
+    elif args.model not in _models():
+        parser.error(f"argument --model: kvpool ships no config for {args.model!r}; choose from {', '.join(_models())}")
     if args.save_tables and not args.json:
         parser.error("--save-tables needs --json PATH (the tables go into the JSON)")
     args.json_path, args.plot_path = output_paths(args, parser)
+
+
+def _resolve(args: argparse.Namespace, wl: Workload):
+    """``(PoolSpec, KvGeometry)`` of a ``--model`` run (:func:`~.engine.resolve_pool`)."""
+    from kvpool.replay.engine import resolve_pool
+
+    memory = None if args.kv_memory_gib is None else int(args.kv_memory_gib * (1 << 30))
+    return resolve_pool(wl, kv_memory_bytes=memory, num_blocks=args.num_blocks, user_block_size=args.block_size)
 
 
 def main(args: argparse.Namespace | list[str] | None = None) -> int:
@@ -298,7 +332,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     except (OSError, ValueError) as e:  # unreadable or malformed trace, bad ranges
         print(f"python -m kvpool replay: error: {e}", file=sys.stderr)
         return 2
-    pool = PoolSpec(num_blocks=args.num_blocks, block_size=args.block_size)
+    pool = PoolSpec(num_blocks=args.num_blocks, block_size=args.block_size or 32)
 
     from rich.console import Console
 
@@ -314,7 +348,11 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         from kvpool.replay.runner import run_replay
 
         t0 = time.perf_counter()
+        geometry = None
         try:
+            if getattr(args, "model", None):
+                pool, geo = _resolve(args, wl)
+                geometry = geo.to_json()
             with _Progress(args, wl, err) as progress:
                 modes = run_replay(wl, pool, args.modes, seed=args.seed, on_round=progress.on_round,
                                    on_skip=progress.on_skip, save_tables=args.save_tables,
@@ -322,6 +360,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         except (ValueError, RuntimeError) as e:  # doesn't fit the pool, no progress, no NIXL
             err.print(f"python -m kvpool replay: error: {e}", soft_wrap=True, markup=False)
             return 2
-        out = build_report(args, getattr(args, "argv", sys.argv[2:]), wl, pool, modes, time.perf_counter() - t0)
+        out = build_report(args, getattr(args, "argv", sys.argv[2:]), wl, pool, modes, time.perf_counter() - t0,
+                           geometry)
         _write_outputs(out, args, args.json_path, args.plot_path, console, err)
     return 1 if any(r.skipped is not None for r in modes.values()) else 0

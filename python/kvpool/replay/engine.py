@@ -33,10 +33,25 @@ from kvpool.replay.workloads import STOP_TOKEN_ID, TOKEN_HI, TOKEN_LO, RequestSp
 @dataclass(frozen=True)
 class PoolSpec:
     """Block pool geometry: ``num_blocks`` blocks (block 0 is vLLM's null block) of
-    ``block_size`` tokens."""
+    ``block_size`` tokens.
+
+    With ``resolved`` (``--model``) the KV cache groups, their block sizes and the
+    scheduler's are vLLM's own (:func:`.geometry.resolve`): ``num_blocks`` and
+    ``block_size`` are what it resolved (the scheduler's block size), ``hash_block_size``
+    the request hash block size, ``user_block_size`` the ``--block-size`` given (``None``:
+    the attention backend's preferred one).
+    """
 
     num_blocks: int = 85_000
     block_size: int = 32
+    resolved: bool = False
+    hash_block_size: int | None = None
+    user_block_size: int | None = None
+
+    @property
+    def hash_size(self) -> int:
+        """Tokens per request block hash."""
+        return self.hash_block_size or self.block_size
 
 
 # --- the scheduler ------------------------------------------------------------------
@@ -55,12 +70,16 @@ def full_attention_group(block_size: int, layer: str = "layer", *, num_kv_heads:
 
 
 def scheduler_from_config(vllm_config, kv_cache_groups: list, num_blocks: int, block_size: int, *,
-                          log_stats: bool = False, scheduler_cls=None):
+                          log_stats: bool = False, scheduler_cls=None, kv_cache_config=None,
+                          hash_block_size: int | None = None):
     """A ``Scheduler`` (or ``scheduler_cls``) over ``num_blocks`` blocks of
     ``block_size`` tokens in ``kv_cache_groups`` (``list[KVCacheGroupSpec]``).
 
     Mirrors the tail of ``create_scheduler`` in vLLM 0.33.0's ``tests/v1/core/utils.py``:
     sets ``cache_config.num_gpu_blocks``, registers the KV cache specs, no tensors.
+    ``kv_cache_config``: a ``KVCacheConfig`` vLLM resolved (:func:`.geometry.resolve`),
+    used as is instead of one built from ``kv_cache_groups``; ``hash_block_size`` is then
+    passed on as ``EngineCore`` passes it (``None``: the scheduler's default).
     """
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
@@ -68,14 +87,17 @@ def scheduler_from_config(vllm_config, kv_cache_groups: list, num_blocks: int, b
     from vllm.v1.structured_output import StructuredOutputManager
 
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=kv_cache_groups)
+    if kv_cache_config is None:
+        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=kv_cache_groups)
     register_all_kvcache_specs(vllm_config)
+    extra = {} if hash_block_size is None else {"hash_block_size": hash_block_size}
     return (scheduler_cls or Scheduler)(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=block_size,
         log_stats=log_stats,
+        **extra,
     )
 
 
@@ -107,6 +129,12 @@ def _quiet_config_warnings():
             lg.setLevel(level)
 
 
+def _has_mamba_layers(model_config) -> bool:
+    from kvpool.replay.geometry import layer_kinds
+
+    return model_config.is_hybrid and "mamba" in layer_kinds(model_config)
+
+
 def replay_vllm_config(workload: Workload, pool: PoolSpec):
     """The ``VllmConfig`` a workload runs with: its ``EngineSpec``, the model config
     kvpool ships (no weights), ``max_position_embeddings`` raised when the workload needs
@@ -120,14 +148,18 @@ def replay_vllm_config(workload: Workload, pool: PoolSpec):
     model_config = ModelConfig(model=eng.model, dtype="bfloat16", seed=0, skip_tokenizer_init=True,
                                max_model_len=max_model_len, hf_overrides=overrides)
     max_num_batched_tokens = eng.max_num_batched_tokens or max_model_len
-    if not eng.enable_chunked_prefill:
+    chunked = eng.enable_chunked_prefill
+    if not chunked:
         max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        # vLLM requires chunked prefill for Mamba prefix caching (MambaModelConfig);
+        # with the whole context as the step budget no prompt is cut.
+        chunked = pool.resolved and eng.enable_prefix_caching and _has_mamba_layers(model_config)
     scheduler_config = SchedulerConfig(
         max_num_seqs=eng.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len, enable_chunked_prefill=eng.enable_chunked_prefill,
+        max_model_len=max_model_len, enable_chunked_prefill=chunked,
         async_scheduling=eng.async_scheduling, is_encoder_decoder=False,
     )
-    cache_config = CacheConfig(block_size=pool.block_size, cache_dtype="auto",
+    cache_config = CacheConfig(block_size=pool.user_block_size or pool.block_size, cache_dtype="auto",
                                enable_prefix_caching=eng.enable_prefix_caching)
     kv_transfer_config = None
     if eng.kv_connector is not None:
@@ -161,14 +193,18 @@ def build_scheduler(workload: Workload, pool: PoolSpec, log_stats: bool = False)
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
         vllm_config = replay_vllm_config(workload, pool)
-        model_config = vllm_config.model_config
-        group = full_attention_group(
-            pool.block_size, "model.layers.0.self_attn.attn", dtype=torch.bfloat16,
-            num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
-            head_size=model_config.get_head_size())
         is_async = workload.engine.async_scheduling
-        scheduler = scheduler_from_config(vllm_config, [group], pool.num_blocks, pool.block_size,
-                                          log_stats=log_stats, scheduler_cls=AsyncScheduler if is_async else None)
+        cls = AsyncScheduler if is_async else None
+        if pool.resolved:
+            scheduler = _resolved_scheduler(vllm_config, pool, log_stats, cls)
+        else:
+            model_config = vllm_config.model_config
+            group = full_attention_group(
+                pool.block_size, "model.layers.0.self_attn.attn", dtype=torch.bfloat16,
+                num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
+                head_size=model_config.get_head_size())
+            scheduler = scheduler_from_config(vllm_config, [group], pool.num_blocks, pool.block_size,
+                                              log_stats=log_stats, scheduler_cls=cls)
     if is_async and not scheduler.defer_block_free:
         kv_transfer_config = vllm_config.kv_transfer_config
         raise RuntimeError(
@@ -177,6 +213,42 @@ def build_scheduler(workload: Workload, pool: PoolSpec, log_stats: bool = False)
             f"kv consumer={kv_transfer_config and kv_transfer_config.is_kv_consumer})"
         )
     return scheduler
+
+
+def _resolved_scheduler(vllm_config, pool: PoolSpec, log_stats: bool, scheduler_cls):
+    # --model: the KV cache vLLM resolves for the model, with pool.num_blocks blocks.
+    from kvpool.replay.geometry import resolve
+
+    geo = resolve(vllm_config, num_blocks=pool.num_blocks, user_block_size=pool.user_block_size)
+    if (geo.block_size, geo.hash_block_size) != (pool.block_size, pool.hash_size):
+        raise RuntimeError(f"vLLM resolved block size {geo.block_size} (hash {geo.hash_block_size}) for this "
+                           f"engine, the run's pool has {pool.block_size} (hash {pool.hash_size})")
+    return scheduler_from_config(vllm_config, [], geo.num_blocks, geo.block_size, log_stats=log_stats,
+                                 scheduler_cls=scheduler_cls, kv_cache_config=geo.kv_cache_config,
+                                 hash_block_size=geo.hash_block_size)
+
+
+def resolve_pool(workload: Workload, *, kv_memory_bytes: int | None, num_blocks: int,
+                 user_block_size: int | None):
+    """``(PoolSpec, KvGeometry)`` of a ``--model`` run: the KV cache vLLM resolves for
+    ``workload``'s engine (:func:`.geometry.resolve`) with ``kv_memory_bytes`` of KV
+    memory, or ``num_blocks`` blocks when it is ``None``.
+
+    Raises:
+        ValueError: vLLM's own checks (the memory holds no request of the workload's
+            ``max_model_len``), a layer type the replay does not know.
+    """
+    from kvpool.replay.geometry import resolve
+
+    with _quiet_config_warnings():
+        probe = PoolSpec(resolved=True, user_block_size=user_block_size)
+        vllm_config = replay_vllm_config(workload, probe)
+        geo = resolve(vllm_config, kv_memory_bytes=kv_memory_bytes,
+                      num_blocks=None if kv_memory_bytes is not None else num_blocks,
+                      user_block_size=user_block_size)
+    pool = PoolSpec(num_blocks=geo.num_blocks, block_size=geo.block_size, resolved=True,
+                    hash_block_size=geo.hash_block_size, user_block_size=user_block_size)
+    return pool, geo
 
 
 # --- requests -----------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvpool.replay import metrics
 from kvpool.replay.engine import PoolSpec, RequestFactory, stand_in_model
-from kvpool.replay.probe import RoundProbe, by_request_index, cache_counts, table_digest
+from kvpool.replay.probe import RoundProbe, by_request_index, cache_counts, group_kinds, primary_group, table_digest
 from kvpool.replay.results import DrainResult, RoundResult
 from kvpool.replay.workloads import Workload
 
@@ -43,7 +43,8 @@ class Stepper:
     would issue for them (see :class:`~.probe.RoundProbe`).
     """
 
-    def __init__(self, scheduler, probe: RoundProbe, model_output: Callable[[Any], Any], block_size: int) -> None:
+    def __init__(self, scheduler, probe: RoundProbe, model_output: Callable[[Any], Any], block_size: int,
+                 per_group: bool = False) -> None:
         self.scheduler = scheduler
         self.probe = probe
         self.model_output = model_output
@@ -60,13 +61,18 @@ class Stepper:
         #: (blocks that became full, copies), one entry per step that cached a block.
         self.copies_per_step: list[tuple[int, int]] = []
         groups = getattr(getattr(scheduler, "kv_cache_config", None), "kv_cache_groups", None) or []
-        #: Tokens per block of each KV cache group (the replay's model has one group).
+        #: Tokens per block of each KV cache group (one group unless ``--model``).
         self.group_block_sizes = [g.kv_cache_spec.block_size for g in groups] or [block_size]
+        #: The group of :attr:`prompt_tables` (:func:`~.probe.primary_group`).
+        self.primary = primary_group(scheduler)
+        #: With ``per_group``: ``prompt_by_group[g]``, request id -> group ``g``'s prompt blocks.
+        self.prompt_by_group: list[dict[str, list[int]]] = [{} for _ in group_kinds(scheduler)] if per_group else []
         pool = self.kv.block_pool
         self.null_block_id = getattr(getattr(pool, "null_block", None), "block_id", metrics.NULL_BLOCK_ID)
 
     def expect_prompt(self, request, prompt_len: int) -> None:
-        self.awaiting_prompt[request.request_id] = (request, math.ceil(prompt_len / self.block_size))
+        bs = self.group_block_sizes[self.primary] if self.primary < len(self.group_block_sizes) else self.block_size
+        self.awaiting_prompt[request.request_id] = (request, math.ceil(prompt_len / bs))
 
     def end_step(self) -> None:
         """Close the step: the blocks cached since the previous call are one step's."""
@@ -90,9 +96,11 @@ class Stepper:
                 entry = awaiting.get(rid)
                 if entry is not None and entry[0].num_computed_tokens >= entry[0].num_prompt_tokens:
                     groups = self.kv.get_block_ids(rid)
-                    self.prompt_tables[rid] = list(groups[0][: entry[1]])
+                    self.prompt_tables[rid] = list(groups[self.primary][: entry[1]])
                     prompt_len = entry[0].num_prompt_tokens
                     prompts = [g[: -(-prompt_len // bs)] for g, bs in zip(groups, self.group_block_sizes)]
+                    for tables, table in zip(self.prompt_by_group, prompts):
+                        tables[rid] = list(table)
                     self.prompt_descriptors[rid] = [
                         metrics.transfer_descriptors(g, self.null_block_id) for g in prompts]
                     self.prompt_descriptors_sorted[rid] = sum(
@@ -113,7 +121,12 @@ class Stepper:
 
 
 def check_fits(specs: Sequence, pool: PoolSpec, where: str) -> None:
-    """Raises ``ValueError`` when one request alone needs more blocks than the pool has."""
+    """Raises ``ValueError`` when one request alone needs more blocks than the pool has.
+
+    A ``--model`` pool (``pool.resolved``) is checked by vLLM itself when it is
+    resolved (``get_kv_cache_configs``: one request of ``max_model_len`` tokens fits)."""
+    if pool.resolved:
+        return
     usable = pool.num_blocks - 1  # block 0 is the null block
     for spec in specs:
         need = math.ceil((spec.prompt_len + spec.output_len) / pool.block_size)
@@ -165,6 +178,20 @@ def _transfer_stats(stepper: Stepper, caches_blocks: bool) -> dict[str, Any]:
                    offload_copies_per_step_median=copies["median"], offload_copies_per_step_p90=copies["p90"],
                    offload_copies_per_step_max=copies["max"], offload_copies_total=copies["total"])
     return out
+
+
+def _group_stats(stepper: Stepper, probe: RoundProbe) -> dict[str, Any]:
+    """``by_group`` of a round (window) when the stepper keeps per-group tables: per KV
+    cache group its kind and :func:`~.metrics.group_figures`."""
+    if not stepper.prompt_by_group:
+        return {}
+    out = []
+    for g, kind in enumerate(group_kinds(stepper.scheduler)):
+        prompts, finished = stepper.prompt_by_group[g], probe.finished_by_group[g]
+        figures = metrics.group_figures([prompts[r] for r in sorted(prompts)], [finished[r] for r in sorted(finished)],
+                                        stepper.null_block_id)
+        out.append({"group": g, "kind": kind, "block_size": stepper.group_block_sizes[g], **figures})
+    return {"by_group": out}
 
 
 def _saved_tables(prompt_tables: dict[str, list[int]], finished_tables: dict[str, list[int]]) -> dict:
@@ -222,9 +249,10 @@ def run_round(scheduler, probe: RoundProbe, workload: Workload, rnd: int, seed: 
         RuntimeError: the scheduler stalled, or left requests or deferred frees behind.
     """
     check_fits(workload.round_requests(rnd), pool, f"round {rnd}")
-    factory = RequestFactory.for_round(workload, rnd, seed, pool.block_size)
+    factory = RequestFactory.for_round(workload, rnd, seed, pool.hash_size)
     requests = [factory.make(i) for i in range(len(factory))]
-    stepper = Stepper(scheduler, probe, stand_in_model(scheduler, *factory.targets()), pool.block_size)
+    stepper = Stepper(scheduler, probe, stand_in_model(scheduler, *factory.targets()), pool.block_size,
+                      per_group=bool(probe.num_groups))
     for spec, request in zip(factory.specs, requests):
         stepper.expect_prompt(request, spec.prompt_len)
     probe.reset()
@@ -253,7 +281,7 @@ def run_round(scheduler, probe: RoundProbe, workload: Workload, rnd: int, seed: 
             (probe.push_cpu + probe.drain_cpu) / probe.deferred_blocks if probe.deferred_blocks else None),
         free_blocks_after=free_after, leaked_blocks=pool.num_blocks - 1 - free_after,
         table_digest=table_digest(prompt_tables, finished), wall_s=wall,
-        **_transfer_stats(stepper, probe.caches_blocks),
+        **_transfer_stats(stepper, probe.caches_blocks), **_group_stats(stepper, probe),
         tables=_saved_tables(prompt_tables, finished) if save_tables else None,
     )
 
@@ -285,8 +313,9 @@ class _Stream:
     def __init__(self, scheduler, probe: RoundProbe, workload: Workload, seed: int, pool: PoolSpec,
                  save_tables: bool) -> None:
         self.scheduler, self.probe, self.pool, self.save_tables = scheduler, probe, pool, save_tables
-        self.factory = RequestFactory.for_stream(workload, seed, pool.block_size)
-        self.stepper = Stepper(scheduler, probe, stand_in_model(scheduler, *self.factory.targets()), pool.block_size)
+        self.factory = RequestFactory.for_stream(workload, seed, pool.hash_size)
+        self.stepper = Stepper(scheduler, probe, stand_in_model(scheduler, *self.factory.targets()), pool.block_size,
+                               per_group=bool(probe.num_groups))
         self.rounds: list[RoundResult] = []
         self.next_k = self.step = 0
         self.stalled = 0  # consecutive steps that scheduled nothing while requests were in flight
@@ -298,6 +327,7 @@ class _Stream:
         self.stepper.prompt_descriptors = {}
         self.stepper.prompt_descriptors_sorted = {}
         self.stepper.copies_per_step = []
+        self.stepper.prompt_by_group = [{} for _ in self.stepper.prompt_by_group]
         self.window = _Window()
         return self.window
 
@@ -317,7 +347,7 @@ class _Stream:
             leaked_blocks=0,  # blocks are in use mid-stream; checked after the drain
             table_digest=table_digest(prompt_tables, probe.finished_tables),
             wall_s=time.perf_counter() - w.wall0,
-            **_transfer_stats(self.stepper, probe.caches_blocks),
+            **_transfer_stats(self.stepper, probe.caches_blocks), **_group_stats(self.stepper, probe),
             tables=_saved_tables(prompt_tables, probe.finished_tables) if self.save_tables else None,
         ))
         self.new_window()

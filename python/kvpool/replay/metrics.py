@@ -150,6 +150,28 @@ def sorted_descriptors(block_ids: Sequence[int], null_block_id: int = NULL_BLOCK
     return transfer_descriptors(sorted(block_ids), null_block_id)
 
 
+def live_blocks(table: Sequence[int], null_block_id: int = NULL_BLOCK_ID) -> list[int]:
+    """``table`` without its null (``null_block_id``) and negative placeholder ids: the
+    blocks a request holds. A sliding-window table's live window; a Mamba table's
+    kept state blocks (the rest are null once vLLM frees them)."""
+    return [b for b in table if b != null_block_id and b >= 0]
+
+
+def group_figures(prompt_tables: Iterable[Sequence[int]], finished_tables: Iterable[Sequence[int]],
+                  null_block_id: int = NULL_BLOCK_ID) -> dict[str, float | int | None]:
+    """One KV cache group's figures over a round's tables, each table's null blocks
+    left out first (:func:`live_blocks`): ``contiguity`` (prompt tables),
+    ``table_contiguity`` (finished tables), ``mean_run_length``, ``prompt_blocks``
+    (live prompt blocks) and ``live_blocks_per_prompt`` (their mean per prompt table;
+    ``None`` without tables)."""
+    prompts = [live_blocks(t, null_block_id) for t in prompt_tables]
+    finished = [live_blocks(t, null_block_id) for t in finished_tables]
+    blocks = sum(len(t) for t in prompts)
+    return {"contiguity": contiguity(prompts), "table_contiguity": contiguity(finished),
+            "mean_run_length": mean_run_length(prompts), "prompt_blocks": blocks,
+            "live_blocks_per_prompt": blocks / len(prompts) if prompts else None}
+
+
 def nearest_rank(values: Sequence[float], q: float):
     """Nearest-rank percentile: the smallest value with at least ``q`` of ``values``
     at or below it (an observed value, never an interpolation); ``None`` when empty.

@@ -53,8 +53,12 @@ class RoundProbe:
       that would send kvpool's native caching back to vLLM's Python.)
     """
 
-    def __init__(self, scheduler) -> None:
+    def __init__(self, scheduler, per_group: bool = False) -> None:
         self.scheduler = scheduler
+        #: The KV cache group whose tables ``finished_tables`` holds (:func:`primary_group`).
+        self.primary = primary_group(scheduler)
+        #: With ``per_group``: ``finished_by_group[g]``, group ``g``'s finished tables.
+        self.num_groups = len(group_kinds(scheduler)) if per_group else 0
         self.reset()
         kv = scheduler.kv_cache_manager
         self._probe_full_blocks(kv)
@@ -71,8 +75,11 @@ class RoundProbe:
             t0 = _thread_time()
             rid = request.request_id
             observe(rid, True)
-            table = list(kv.get_block_ids(rid)[0])
+            ids = kv.get_block_ids(rid)
+            table = list(ids[self.primary])
             self.finished_tables[rid] = table
+            for g, tables in enumerate(self.finished_by_group):
+                tables[rid] = list(ids[g])
             deferred = scheduler.defer_block_free and not scheduler._request_blocks_can_be_freed(request)
             if deferred:
                 self.deferred_frees += 1
@@ -203,6 +210,7 @@ class RoundProbe:
 
     def reset(self) -> None:
         self.finished_tables: dict[str, list[int]] = {}
+        self.finished_by_group: list[dict[str, list[int]]] = [{} for _ in range(self.num_groups)]
         self.preemptions = 0
         self.hit_tokens = 0
         self.query_tokens = 0
@@ -225,6 +233,20 @@ class RoundProbe:
         out = (self.step_full_blocks, self.step_copies)
         self.step_full_blocks = self.step_copies = 0
         return out
+
+
+def group_kinds(scheduler) -> list[str]:
+    """The spec class name of each of ``scheduler``'s KV cache groups
+    (``FullAttentionSpec``, ``SlidingWindowSpec``, ``MambaSpec``, ...)."""
+    groups = getattr(getattr(scheduler, "kv_cache_config", None), "kv_cache_groups", None) or []
+    return [type(g.kv_cache_spec).__name__ for g in groups]
+
+
+def primary_group(scheduler) -> int:
+    """The KV cache group whose tables the replay's single-table figures read: the
+    first full-attention group (0 when there is none, or one group)."""
+    kinds = group_kinds(scheduler)
+    return kinds.index("FullAttentionSpec") if "FullAttentionSpec" in kinds else 0
 
 
 def cache_counts(probe: RoundProbe) -> dict[str, Any]:

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvpool.replay import group_report
+
 _RICH = {"vanilla": "red", "kvpool": "yellow", "kvpool+reorder": "green", "kvpool+contiguous": "blue"}
 
 
@@ -256,6 +258,7 @@ def render_tables(report: dict[str, Any], console) -> None:
         f"pool {cfg['num_blocks']} blocks x {cfg['block_size']} tokens, "
         f"max_model_len {cfg['max_model_len']}, seed {cfg['seed']}, vLLM {cfg.get('vllm_version')}"
     )
+    group_report.render(report, modes, console)
     console.print(*_per_round(
         modes, n, warm, console.width,
         escape("block-table contiguity: fraction of adjacent logical blocks with id[i+1] == id[i]+1"),

@@ -118,6 +118,11 @@ class RoundResult:
     reset_cpu_s: float | None = field(default=None, metadata=_OPTIONAL)
     reorder_ok: bool | None = field(default=None, metadata=_OPTIONAL)
     reorder_cpu_s: float | None = field(default=None, metadata=_OPTIONAL)
+    #: ``--model`` runs: per KV cache group (vLLM's order) ``{"group", "kind", "block_size",
+    #: "contiguity", "table_contiguity", "mean_run_length", "prompt_blocks",
+    #: "live_blocks_per_prompt"}`` over each table's non-null blocks
+    #: (``metrics.group_figures``; docs/replay.md, "Model shapes").
+    by_group: list[dict[str, Any]] | None = field(default=None, metadata=_OPTIONAL)
     #: Not in the JSON: whether the *window* fields are.
     window: bool = field(default=False, repr=False, metadata={"internal": True})
 
@@ -292,8 +297,13 @@ class RunConfig:
     wall_s: float
     #: ``{"python", "machine", "vllm_version", "kvpool_version"}``, merged into the object.
     versions: dict[str, Any] = field(default_factory=dict)
+    #: ``--model`` runs: ``KvGeometry.to_json()``, the KV cache vLLM resolved (after the
+    #: versions; absent otherwise).
+    kv_cache_geometry: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "versions"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("versions", "kv_cache_geometry")}
         out.update(self.versions)
+        if self.kv_cache_geometry is not None:
+            out["kv_cache_geometry"] = self.kv_cache_geometry
         return out

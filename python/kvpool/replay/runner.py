@@ -43,9 +43,9 @@ def warm_up(workload: Workload, pool: PoolSpec, seed: int) -> None:
                           output_len=min(r.output_len, 2 * pool.block_size), arrival_step=0)
                   for r in first],
     )
-    tiny_pool = PoolSpec(min(pool.num_blocks, 4096), pool.block_size)
+    tiny_pool = replace(pool, num_blocks=min(pool.num_blocks, 4096))
     scheduler = build_scheduler(tiny, tiny_pool)
-    run_round(scheduler, RoundProbe(scheduler), tiny, 0, seed, tiny_pool)
+    run_round(scheduler, RoundProbe(scheduler, per_group=pool.resolved), tiny, 0, seed, tiny_pool)
 
 
 def _mode_info(mode: Mode, scheduler, pool: PoolSpec, reorder_name: str | None) -> ModeInfo:
@@ -122,12 +122,12 @@ class ModeRun:
 
     def _run(self, workload: Workload, pool: PoolSpec, seed: int, scheduler,
              reorder: Callable[[], bool] | None, save_tables: bool) -> Iterator[RoundResult]:
-        probe = RoundProbe(scheduler)
+        probe = RoundProbe(scheduler, per_group=pool.resolved)
         if workload.continuous:
             self.info.drain = yield from iter_stream(scheduler, probe, workload, seed, pool,
                                                      save_tables=save_tables)
             return
-        side_probe = RoundProbe(self._side) if self._side is not None else None
+        side_probe = RoundProbe(self._side, per_group=pool.resolved) if self._side is not None else None
         for rnd in range(workload.num_rounds):
             prefill = None
             if self._side is not None:
