@@ -148,8 +148,19 @@ def test_a_pd_replay_through_nixl():
             assert x.read(p, d).descriptors == metrics.pd_descriptors(p, d) * 2
 
 
-def test_without_nixl_the_cli_names_the_install_command(monkeypatch, capsys):
+@pytest.fixture
+def in_process_cli(monkeypatch):
+    """The replay's ``main`` in this process: the logging level it sets for its own
+    process (``VLLM_LOGGING_LEVEL``) is restored afterwards, so later subprocesses of the
+    suite still see vLLM's info lines."""
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
     from kvpool.replay.cli import main
+
+    return main
+
+
+def test_without_nixl_the_cli_names_the_install_command(monkeypatch, capsys, in_process_cli):
+    main = in_process_cli
 
     def missing():
         raise NixlUnavailable(f"--nixl needs NIXL, which does not import here (no module); "
@@ -163,8 +174,8 @@ def test_without_nixl_the_cli_names_the_install_command(monkeypatch, capsys):
     assert len([line for line in err.splitlines() if "error" in line]) == 1
 
 
-def test_nixl_needs_a_pd_workload(capsys):
-    from kvpool.replay.cli import main
+def test_nixl_needs_a_pd_workload(capsys, in_process_cli):
+    main = in_process_cli
 
     rc = main(["--workload", "grpo", "--nixl", "--rounds", "1", "--scale", "0.01",
                "--no-plot", "--quiet", "--json", "/dev/null"])
