@@ -42,7 +42,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         ]
     )
     tr = terminalreporter
-    tr.write_sep("-", "kvpool vs vLLM 0.33.0 (same run; medians; rounds' ratios: benchmarks/ratios.py)")
+    from vllm import __version__ as vllm_version
+
+    tr.write_sep("-", f"kvpool vs vLLM {vllm_version} (same run; medians; rounds' ratios: benchmarks/ratios.py)")
     tr.write_line(f"{'operation':<34}{'vLLM':>12}{'kvpool':>12}{'ratio':>9}{'kvpool ns/block':>17}{'target':>8}")
     for r in rows:
         target = f"{r['target']:.3g}x" if r["target"] else ""
