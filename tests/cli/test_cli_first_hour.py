@@ -227,3 +227,33 @@ def test_bootstrap_announces_every_install_step_with_a_line():
     proc = subprocess.run(["bash", "-c", f"source <(sed -n '/^started=/,/^step()/p' {REPO}/scripts/bootstrap.sh); "
                            "step 'installing torch'"], capture_output=True, text=True)
     assert re.fullmatch(r"bootstrap \[0:0\d\] installing torch\n", proc.stdout), proc.stdout + proc.stderr
+
+
+def test_replay_prints_the_answer_first_and_per_round_tables_only_when_asked():
+    """By default the terminal gets the header and the per-mode summary (one screen, the
+    verdict follows); ``--tables`` adds the per-round tables before it."""
+    from rich.console import Console
+
+    from kvpool.replay.cli import build_parser
+
+    rep = _synthetic_report()
+    for m, r in rep["modes"].items():
+        r["info"] = {"block_pool_class": f"{'vllm' if m == 'vanilla' else 'kvpool'}.block_pool.BlockPool"}
+        for x in r["rounds"]:
+            x.update(mean_run_length=1409.7, prompt_descending=0.0, prefix_cache_hit_tokens=1_967_232,
+                     evictions=0, eviction_digest="", preemptions=0, deferred_frees=0, deferred_blocks=0,
+                     prefill_sched_cpu_s=0.02, leaked_blocks=0, drain_cpu_s_per_step=0.0)
+    rep["workload"].update(description="GRPO rollout", params={})
+    rep["config"].update(max_model_len=88064)
+    texts = {}
+    for per_round in (False, True):
+        buf = io.StringIO()
+        report.render_tables(rep, Console(file=buf, width=120, color_system=None), per_round=per_round)
+        texts[per_round] = buf.getvalue()
+    assert len(texts[False].splitlines()) <= 60
+    assert "block-table contiguity" not in texts[False] and "block-table contiguity" in texts[True]
+    assert "--tables" in texts[False]
+    assert "per mode, all rounds" in texts[False] and "per mode, all rounds" in texts[True]
+    assert "desc." not in texts[True]   # (no header that reads as descending or descriptors)
+    args = build_parser().parse_args(["--tables"])
+    assert args.tables and not build_parser().parse_args([]).tables

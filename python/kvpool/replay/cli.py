@@ -127,6 +127,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="--workload pd: also read every prompt prefill -> decode through the real NIXL "
                    "(two agents, UCX over loopback TCP) and report NIXL's descriptor count and posting "
                    "time (needs NIXL: pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)")
+    p.add_argument("--tables", "-v", action="store_true",
+                   help="also print the per-round tables (one column per mode) before the summary")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--quiet", action="store_true", help="no tables (implies --no-progress)")
 
@@ -278,7 +280,7 @@ def _write_outputs(out: dict[str, Any], args: argparse.Namespace, json_path: Pat
     # The results first: nothing that can fail after this loses them.
     report.write_json(json_path, out)
     if not args.quiet:
-        report.render_tables(out, console)
+        report.render_tables(out, console, per_round=args.tables)
         console.print(f"wall time {out['config']['wall_s']:.1f} s")
     err.print(f"wrote {json_path}")
     if plot_path is not None:

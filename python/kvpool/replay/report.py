@@ -239,10 +239,9 @@ def _summary_table(modes: dict[str, Any], comparison: dict[str, Any], deferred: 
     return s
 
 
-def render_tables(report: dict[str, Any], console) -> None:
-    """Print per-round tables (one column per mode) and a per-mode summary to ``console``."""
-    from rich.markup import escape
-
+def render_tables(report: dict[str, Any], console, per_round: bool = True) -> None:
+    """Print to ``console`` the run's header, the per-mode summary and, with ``per_round``,
+    the per-round tables (one column per mode) before it (``replay --tables``)."""
     modes = {m: r for m, r in report["modes"].items() if "rounds" in r}
     for m, r in report["modes"].items():
         if "skipped" in r:
@@ -259,6 +258,23 @@ def render_tables(report: dict[str, Any], console) -> None:
         f"max_model_len {cfg['max_model_len']}, seed {cfg['seed']}, vLLM {cfg.get('vllm_version')}"
     )
     group_report.render(report, modes, console)
+    if per_round:
+        _render_rounds(report, modes, console, n, warm, deferred)
+    ref_mode = "vanilla" if "vanilla" in modes else next(iter(modes))
+    if per_round:
+        console.print(_cache_table(modes, n, ref_mode))
+        if wl.get("continuous"):
+            console.print(_continuous_table(modes[ref_mode]["rounds"], ref_mode, wl.get("window_steps")))
+    console.print(_summary_table(modes, report.get("comparison", {}), deferred, bool(wl.get("continuous"))))
+    if not per_round:
+        console.print("per-round tables: --tables; every figure per round: the JSON", highlight=False)
+
+
+def _render_rounds(report: dict[str, Any], modes: dict[str, Any], console, n: int, warm: int,
+                   deferred: bool) -> None:
+    """The per-round tables of :func:`render_tables`."""
+    from rich.markup import escape
+
     console.print(*_per_round(
         modes, n, warm, console.width,
         escape("block-table contiguity: fraction of adjacent logical blocks with id[i+1] == id[i]+1"),
@@ -266,7 +282,7 @@ def render_tables(report: dict[str, Any], console) -> None:
     ))
     cols = [
         ("mean run", "mean_run_length", "{:.1f}"),
-        ("prompt desc.", "prompt_descending", "{:.3f}"),
+        ("descending", "prompt_descending", "{:.3f}"),
         ("sched us/step", "sched_cpu_s_per_step", _us),
     ]
     if deferred:
@@ -274,10 +290,10 @@ def render_tables(report: dict[str, Any], console) -> None:
     console.print(*_per_round(modes, n, warm, console.width,
                               "runs (blocks), descending pairs, scheduler CPU per step", cols))
     if any("prompt_descriptors_total" in x for r in modes.values() for x in r["rounds"]):
-        cols = [("desc. median", "prompt_descriptors_median", _count),
+        cols = [("descriptors median", "prompt_descriptors_median", _count),
                 ("sorted median", "prompt_descriptors_sorted_median", _count),
-                ("desc. p90", "prompt_descriptors_p90", _count),
-                ("desc. max", "prompt_descriptors_max", _count)]
+                ("descriptors p90", "prompt_descriptors_p90", _count),
+                ("descriptors max", "prompt_descriptors_max", _count)]
         if any(x.get("offload_copies_total") is not None for r in modes.values() for x in r["rounds"]):
             cols += [("copies/step p90", "offload_copies_per_step_p90", _count),
                      ("copies/step max", "offload_copies_per_step_max", _count)]
@@ -304,11 +320,6 @@ def render_tables(report: dict[str, Any], console) -> None:
              ("post us median", "nixl_post_us_median", _count),
              ("post us total", "nixl_post_us_total", _count),
              ("xfer us median", "nixl_xfer_us_median", _count)]))
-    ref_mode = "vanilla" if "vanilla" in modes else next(iter(modes))
-    console.print(_cache_table(modes, n, ref_mode))
-    if wl.get("continuous"):
-        console.print(_continuous_table(modes[ref_mode]["rounds"], ref_mode, wl.get("window_steps")))
-    console.print(_summary_table(modes, report.get("comparison", {}), deferred, bool(wl.get("continuous"))))
 
 
 def write_json(path: str | Path, report: dict[str, Any]) -> None:
