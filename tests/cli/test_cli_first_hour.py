@@ -144,10 +144,8 @@ def test_verdict_says_what_collapsed_what_held_and_by_how_much():
 
 
 # -- tables fit the terminal -------------------------------------------------------------
-@pytest.mark.parametrize("width", [80, 100, 120])
-def test_replay_tables_fit_the_console_and_cut_no_value(width):
-    from rich.console import Console
-
+def _renderable_report() -> dict:
+    """:func:`_synthetic_report` with every field the terminal tables read."""
     rep = _synthetic_report()
     for m, r in rep["modes"].items():
         r["info"] = {"block_pool_class": f"{'vllm' if m == 'vanilla' else 'kvpool'}.block_pool.BlockPool"}
@@ -157,6 +155,14 @@ def test_replay_tables_fit_the_console_and_cut_no_value(width):
                      prefill_sched_cpu_s=0.02, leaked_blocks=0, drain_cpu_s_per_step=0.0)
     rep["workload"].update(description="GRPO rollout", params={})
     rep["config"].update(max_model_len=88064)
+    return rep
+
+
+@pytest.mark.parametrize("width", [80, 100, 120])
+def test_replay_tables_fit_the_console_and_cut_no_value(width):
+    from rich.console import Console
+
+    rep = _renderable_report()
     buf = io.StringIO()
     report.render_tables(rep, Console(file=buf, width=width, color_system=None))
     text = buf.getvalue()
@@ -236,15 +242,7 @@ def test_replay_prints_the_answer_first_and_per_round_tables_only_when_asked():
 
     from kvpool.replay.cli import build_parser
 
-    rep = _synthetic_report()
-    for m, r in rep["modes"].items():
-        r["info"] = {"block_pool_class": f"{'vllm' if m == 'vanilla' else 'kvpool'}.block_pool.BlockPool"}
-        for x in r["rounds"]:
-            x.update(mean_run_length=1409.7, prompt_descending=0.0, prefix_cache_hit_tokens=1_967_232,
-                     evictions=0, eviction_digest="", preemptions=0, deferred_frees=0, deferred_blocks=0,
-                     prefill_sched_cpu_s=0.02, leaked_blocks=0, drain_cpu_s_per_step=0.0)
-    rep["workload"].update(description="GRPO rollout", params={})
-    rep["config"].update(max_model_len=88064)
+    rep = _renderable_report()
     texts = {}
     for per_round in (False, True):
         buf = io.StringIO()
