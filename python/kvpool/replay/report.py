@@ -259,20 +259,15 @@ def render_tables(report: dict[str, Any], console, per_round: bool = True) -> No
     )
     group_report.render(report, modes, console)
     if per_round:
-        _render_rounds(report, modes, console, n, warm, deferred)
-    ref_mode = "vanilla" if "vanilla" in modes else next(iter(modes))
-    if per_round:
-        console.print(_cache_table(modes, n, ref_mode))
-        if wl.get("continuous"):
-            console.print(_continuous_table(modes[ref_mode]["rounds"], ref_mode, wl.get("window_steps")))
+        _render_rounds(wl, modes, console, n, warm, deferred)
     console.print(_summary_table(modes, report.get("comparison", {}), deferred, bool(wl.get("continuous"))))
     if not per_round:
         console.print("per-round tables: --tables; every figure per round: the JSON", highlight=False)
 
 
-def _render_rounds(report: dict[str, Any], modes: dict[str, Any], console, n: int, warm: int,
+def _render_rounds(wl: dict[str, Any], modes: dict[str, Any], console, n: int, warm: int,
                    deferred: bool) -> None:
-    """The per-round tables of :func:`render_tables`."""
+    """The per-round tables of :func:`render_tables` (``wl``: the report's workload)."""
     from rich.markup import escape
 
     console.print(*_per_round(
@@ -320,6 +315,10 @@ def _render_rounds(report: dict[str, Any], modes: dict[str, Any], console, n: in
              ("post us median", "nixl_post_us_median", _count),
              ("post us total", "nixl_post_us_total", _count),
              ("xfer us median", "nixl_xfer_us_median", _count)]))
+    ref_mode = "vanilla" if "vanilla" in modes else next(iter(modes))
+    console.print(_cache_table(modes, n, ref_mode))
+    if wl.get("continuous"):
+        console.print(_continuous_table(modes[ref_mode]["rounds"], ref_mode, wl.get("window_steps")))
 
 
 def write_json(path: str | Path, report: dict[str, Any]) -> None:
