@@ -234,20 +234,20 @@ def round_fields(nixl: NixlTransfer, prefill_tables: Sequence[Sequence[int]],
     null block left out on either side, as :func:`kvpool.replay.metrics.pd_descriptors`
     leaves it out) through ``nixl``; the round's ``nixl_*`` fields (median and p90 by
     nearest rank, totals). Raises what :meth:`NixlTransfer.read` raises."""
-    from kvpool.replay.metrics import nearest_rank
+    from kvpool.replay.metrics import spread
 
     stats = []
     for p_table, d_table in zip(prefill_tables, decode_tables, strict=True):
         pairs = [(p, d) for p, d in zip(p_table, d_table, strict=True) if p != 0 and d != 0]
         if pairs:
             stats.append(nixl.read([p for p, _ in pairs], [d for _, d in pairs]))
-    descs = [s.descriptors for s in stats]
-    posts = [s.post_us for s in stats]
-    xfers = [s.xfer_us for s in stats]
-    return {"nixl_descriptors_median": nearest_rank(descs, 0.5), "nixl_descriptors_p90": nearest_rank(descs, 0.9),
-            "nixl_descriptors_total": sum(descs), "nixl_post_us_median": nearest_rank(posts, 0.5),
-            "nixl_post_us_total": sum(posts), "nixl_xfer_us_median": nearest_rank(xfers, 0.5),
-            "nixl_xfer_us_total": sum(xfers), "nixl_regions": nixl.num_regions}
+    descs = spread([s.descriptors for s in stats])
+    posts = spread([s.post_us for s in stats])
+    xfers = spread([s.xfer_us for s in stats])
+    return {"nixl_descriptors_median": descs["median"], "nixl_descriptors_p90": descs["p90"],
+            "nixl_descriptors_total": descs["total"], "nixl_post_us_median": posts["median"],
+            "nixl_post_us_total": posts["total"], "nixl_xfer_us_median": xfers["median"],
+            "nixl_xfer_us_total": xfers["total"], "nixl_regions": nixl.num_regions}
 
 
 __all__ = ["BACKEND", "INSTALL", "NixlTransfer", "NixlTransferError", "NixlUnavailable", "TransferStat",
