@@ -21,7 +21,7 @@ def pytest_configure(config):
     # kvpool ships, offline, never from the hub (as tests/conftest.py does).
     import tempfile
 
-    from kvpool.hf_offline import materialize_hf_cache, offline_env
+    from kvpool.tools.hf_offline import materialize_hf_cache, offline_env
 
     home = tempfile.mkdtemp(prefix="kvpool-bench-hf-")
     materialize_hf_cache(home)

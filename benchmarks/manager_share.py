@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=8)
     args = parser.parse_args(argv)
 
-    from kvpool.replay import loop, modes as replay_modes, runner
-    from kvpool.replay.cli import main as replay
+    from kvpool.tools.replay import loop, modes as replay_modes, runner
+    from kvpool.tools.replay.cli import main as replay
 
     acc: dict = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0]))
     step: dict = collections.defaultdict(lambda: [0.0, 0])

@@ -28,10 +28,10 @@ import os
 
 import pytest
 
-from kvpool.replay import modes as replay_modes
-from kvpool.replay import workloads
-from kvpool.replay.engine import PoolSpec
-from kvpool.replay.runner import ModeRun
+from kvpool.tools.replay import modes as replay_modes
+from kvpool.tools.replay import workloads
+from kvpool.tools.replay.engine import PoolSpec
+from kvpool.tools.replay.runner import ModeRun
 
 #: Rounds (windows) per mode; the ratio is the median of the rounds' ratios.
 ROUNDS = int(os.environ.get("KVPOOL_REPLAY_BENCH_ROUNDS", "5"))

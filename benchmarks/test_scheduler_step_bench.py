@@ -64,7 +64,7 @@ _OUTSIDE_STEP = [0.0]
 def _step_clock() -> float:
     """The benchmarks' timer: this thread's CPU seconds less those outside the engine
     step, so a round's time is the CPU of its ``schedule()`` + ``update_from_output()``
-    calls only, what the replay reports per step (kvpool.replay.loop)."""
+    calls only, what the replay reports per step (kvpool.tools.replay.loop)."""
     return time.thread_time() - _OUTSIDE_STEP[0]
 
 

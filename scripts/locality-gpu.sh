@@ -3,13 +3,13 @@
 # working tree: no build, no install, no network. Needs python3 with torch (CUDA) and the
 # Triton it ships with; vLLM, numpy and kvpool's C++ extension are not needed (kvpool is
 # imported from python/). The replay tables it uses ship in
-# python/kvpool/locality/data/replay_grpo.json.
+# python/kvpool/tools/locality/data/replay_grpo.json.
 #
 # Default run (H200-sized: 85,000 blocks x 32 tokens, 8 KV heads x 128, bf16, one layer;
 # prefill 8 x 8192 and 1 x 1024, decode 256 x 4096; FlexAttention kernel, checked against
 # the gather + SDPA reference first) takes about 3-5 minutes, most of it compiling one
 # kernel per batch shape; the timeout keeps it under 8. Extra arguments go to the command.
-# Then the transfer phase (python -m kvpool.locality.transfer: the serving replay's prompt
+# Then the transfer phase (python -m kvpool.tools.locality.transfer: the serving replay's prompt
 # tables after the pool wraps, copied device -> pinned host one descriptor at a time,
 # vanilla's tables against the contiguous policy's), under 4 more minutes.
 #
@@ -47,7 +47,7 @@ timeout --signal=INT 450 "$PY" -m kvpool locality --device cuda --kernel flex --
 rc=${PIPESTATUS[0]}
 # The transfer phase: the serving replay's post-wrap prompt tables moved device -> pinned
 # host, one copy per descriptor, per layer and K/V (about a minute; docs/locality.md).
-timeout --signal=INT 240 "$PY" -m kvpool.locality.transfer --device cuda \
+timeout --signal=INT 240 "$PY" -m kvpool.tools.locality.transfer --device cuda \
     --json "$DEST/transfer-gpu.json" 2>&1 | tee "$DEST/transfer-gpu.txt"
 trc=${PIPESTATUS[0]}
 exit $(( rc != 0 ? rc : trc ))

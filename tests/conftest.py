@@ -12,7 +12,7 @@ cpu_environment(os.environ)
 
 import pytest
 
-from kvpool.hf_offline import materialize_hf_cache, offline_env
+from kvpool.tools.hf_offline import materialize_hf_cache, offline_env
 
 _HF_HOME = None
 

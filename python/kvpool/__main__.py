@@ -27,19 +27,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "replay":
-        from kvpool.replay.cli import main as replay_main
+        from kvpool.tools.replay.cli import main as replay_main
 
         return replay_main(rest)
     if command == "locality":
-        from kvpool.locality.cli import main as locality_main
+        from kvpool.tools.locality.cli import main as locality_main
 
         return locality_main(rest)
     if command == "conformance":
-        from kvpool.conformance.cli import main as conformance_main
+        from kvpool.tools.conformance.cli import main as conformance_main
 
         return conformance_main(rest)
     if command == "porting":
-        from kvpool.conformance.porting import main as porting_main
+        from kvpool.tools.conformance.porting import main as porting_main
 
         return porting_main(rest)
     if command == "info":

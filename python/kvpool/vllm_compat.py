@@ -153,14 +153,16 @@ def release_traits(version: str | None = None) -> VllmRelease:
     ``KVPOOL_ALLOW_UNTESTED_VLLM=1``) gets the row of the nearest release below it, or
     the oldest row if it is older than all of them.
     """
-    version = _release(version or installed_vllm_version() or max(VLLM_RELEASES, key=_key))
+    version = _release(version or installed_vllm_version() or max(VLLM_RELEASES, key=release_key))
     if version in VLLM_RELEASES:
         return VLLM_RELEASES[version]
-    older = [v for v in VLLM_RELEASES if _key(v) <= _key(version)]
-    return VLLM_RELEASES[max(older, key=_key) if older else min(VLLM_RELEASES, key=_key)]
+    older = [v for v in VLLM_RELEASES if release_key(v) <= release_key(version)]
+    return VLLM_RELEASES[max(older, key=release_key) if older else min(VLLM_RELEASES, key=release_key)]
 
 
-def _key(version: str) -> tuple[int, ...]:
+def release_key(version: str) -> tuple[int, ...]:
+    """Sort key of a release string: ``"0.34.0"`` -> ``(0, 34, 0)`` (a part that is not
+    a number counts as 0)."""
     return tuple(int(p) if p.isdigit() else 0 for p in version.split("."))
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.replay import cli as replay_cli
-from kvpool.replay import report
+from kvpool.tools.replay import cli as replay_cli
+from kvpool.tools.replay import report
 from kvpool.cpu_platform import cpu_environment
 
 from tests.support.paths import REPO
@@ -198,7 +198,7 @@ def test_replay_plot_draws_coinciding_curves_visibly_and_keeps_the_legend_off_th
 
 def test_locality_plot_labels_do_not_overlap():
     pytest.importorskip("matplotlib")
-    from kvpool.locality import cli as locality_cli
+    from kvpool.tools.locality import cli as locality_cli
 
     layouts = ["canonical", "descending", "random", "replay:vanilla@19", "replay:kvpool@19",
                "replay:kvpool+reorder@19", "replay:kvpool+contiguous@19"]
@@ -240,7 +240,7 @@ def test_replay_prints_the_answer_first_and_per_round_tables_only_when_asked():
     verdict follows); ``--tables`` adds the per-round tables before it."""
     from rich.console import Console
 
-    from kvpool.replay.cli import build_parser
+    from kvpool.tools.replay.cli import build_parser
 
     rep = _renderable_report()
     texts = {}

@@ -15,10 +15,10 @@ import pytest
 
 from kvpool import __main__ as kvpool_main
 from kvpool import info
-from kvpool.conformance import cli as conformance_cli
-from kvpool.conformance import porting as porting_cli
-from kvpool.locality import cli as locality_cli
-from kvpool.replay import cli as replay_cli
+from kvpool.tools.conformance import cli as conformance_cli
+from kvpool.tools.conformance import porting as porting_cli
+from kvpool.tools.locality import cli as locality_cli
+from kvpool.tools.replay import cli as replay_cli
 
 from tests.support.paths import REPO
 

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from kvpool.locality import layouts, replay_tables
-from kvpool.replay import metrics
+from kvpool.tools.locality import layouts, replay_tables
+from kvpool.tools.replay import metrics
 from kvpool.cpu_platform import cpu_environment
 
 from tests.support.paths import REPO
@@ -130,7 +130,7 @@ def test_replay_save_tables_output_loads_as_replay_layouts(tmp_path):
 
 
 def test_shipped_transfer_tables_are_post_wrap_serving_prompts_with_fewer_descriptors():
-    from kvpool.locality import transfer
+    from kvpool.tools.locality import transfer
 
     assert transfer.DEFAULT_PATH.stat().st_size < 400_000
     tables, source = transfer.load()
@@ -148,7 +148,7 @@ def test_shipped_transfer_tables_are_post_wrap_serving_prompts_with_fewer_descri
 
 def test_transfer_phase_copies_every_descriptor_and_checks_the_blocks(tmp_path, capsys):
     pytest.importorskip("torch")
-    from kvpool.locality import transfer
+    from kvpool.tools.locality import transfer
 
     out = tmp_path / "transfer.json"
     assert transfer.main(["--device", "cpu", "--max-prompts", "40", "--layers", "2", "--json", str(out)]) == 0
@@ -167,7 +167,7 @@ def test_transfer_phase_copies_every_descriptor_and_checks_the_blocks(tmp_path, 
 
 def test_transfer_phase_refuses_copies_that_misplace_blocks(monkeypatch):
     pytest.importorskip("torch")
-    from kvpool.locality import transfer
+    from kvpool.tools.locality import transfer
 
     tables = {"scrambled": [[5, 6, 7, 9]]}
     good = transfer.measure(tables, device="cpu", layers=1, block_size=1, num_kv_heads=1, head_size=4,
@@ -190,7 +190,7 @@ def test_transfer_phase_refuses_copies_that_misplace_blocks(monkeypatch):
     ('{"format": "kvpool-replay-prompt-tables/1"}', [], "malformed"),
 ])
 def test_transfer_phase_bad_input_is_a_one_line_error(tmp_path, capsys, content, args, message):
-    from kvpool.locality import transfer
+    from kvpool.tools.locality import transfer
 
     if content is not None:
         (tmp_path / "t.json").write_text(content)
@@ -203,7 +203,7 @@ def test_transfer_phase_bad_input_is_a_one_line_error(tmp_path, capsys, content,
 
 
 def test_transfer_extract_keeps_the_post_wrap_prompt_tables(tmp_path):
-    from kvpool.locality import transfer
+    from kvpool.tools.locality import transfer
 
     def rnd(i, evictions, prompts):
         return {"round": i, "evictions": evictions, "tables": {"prompt": prompts, "finished": prompts}}
@@ -226,7 +226,7 @@ def test_transfer_extract_keeps_the_post_wrap_prompt_tables(tmp_path):
 
 def _skip_without_cpu_flex():
     pytest.importorskip("torch")
-    from kvpool.locality import kernels
+    from kvpool.tools.locality import kernels
 
     reason = kernels.flex_unsupported_reason("cpu")
     if reason:
@@ -236,7 +236,7 @@ def _skip_without_cpu_flex():
 def test_flex_kernel_matches_the_reference_and_reads_the_block_table():
     torch = pytest.importorskip("torch")
     _skip_without_cpu_flex()
-    from kvpool.locality import kernels
+    from kvpool.tools.locality import kernels
 
     torch.manual_seed(0)
     P, bs, hkv, d, hq = 96, 32, 2, 64, 4
@@ -266,7 +266,7 @@ def test_flex_kernel_matches_the_reference_and_reads_the_block_table():
 
 def test_reference_decode_equals_the_last_row_of_the_prefill():
     torch = pytest.importorskip("torch")
-    from kvpool.locality import kernels
+    from kvpool.tools.locality import kernels
 
     torch.manual_seed(1)
     k_cache = torch.randn(40, 16, 2, 32)
@@ -307,7 +307,7 @@ def test_locality_command_times_every_layout_for_both_phases(tmp_path, capsys):
 
 def test_locality_command_checks_the_flex_kernel_against_the_reference(tmp_path):
     _skip_without_cpu_flex()
-    from kvpool.locality.cli import main
+    from kvpool.tools.locality.cli import main
 
     out = tmp_path / "loc.json"
     args = [*TINY, "--prefill", "64x2", "--decode", "", "--layouts", "canonical,random", "--reps", "1"]
@@ -319,7 +319,7 @@ def test_locality_command_checks_the_flex_kernel_against_the_reference(tmp_path)
 
 def test_bad_arguments_are_errors_not_tracebacks(capsys):
     pytest.importorskip("torch")
-    from kvpool.locality.cli import main
+    from kvpool.tools.locality.cli import main
 
     assert main(["--device", "cpu", *TINY, "--decode", "100000x10"]) == 2
     assert "usable" in capsys.readouterr().err
@@ -332,8 +332,8 @@ def test_flex_on_a_cpu_without_inductor_s_flex_kernel_is_a_one_line_error(monkey
     # so instead of failing inside Inductor's compile.
     pytest.importorskip("torch")
     flex_cpu = pytest.importorskip("torch._inductor.kernel.flex.flex_cpu")
-    from kvpool.locality import kernels
-    from kvpool.locality.cli import main
+    from kvpool.tools.locality import kernels
+    from kvpool.tools.locality.cli import main
 
     monkeypatch.setattr(flex_cpu, "check_cpu_supported", lambda: False)
     assert "needs x86 AVX2" in kernels.flex_unsupported_reason("cpu")
@@ -344,7 +344,7 @@ def test_flex_on_a_cpu_without_inductor_s_flex_kernel_is_a_one_line_error(monkey
 
 
 def test_without_torch_the_command_says_so(monkeypatch, capsys):
-    from kvpool.locality.cli import main
+    from kvpool.tools.locality.cli import main
 
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
     assert main(["--device", "cpu"]) == 2

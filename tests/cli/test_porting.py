@@ -11,8 +11,8 @@ import pytest
 
 from kvpool import vllm_compat
 from kvpool.__main__ import main as kvpool_main
-from kvpool.conformance import porting, porting_sources
-from kvpool.conformance.porting_sources import Sources, compare, find_definition
+from kvpool.tools.conformance import porting, porting_sources
+from kvpool.tools.conformance.porting_sources import Sources, compare, find_definition
 from kvpool.errors import PortingError
 
 _UTILS = "vllm/v1/core/kv_cache_utils.py"

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 import kvpool
-from kvpool.replay import metrics, traces, workloads
+from kvpool.tools.replay import metrics, traces, workloads
 from kvpool.cpu_platform import cpu_environment
-from kvpool.replay.modes import MODES, kvpool_unavailable_reason, mode_unavailable_reason
+from kvpool.tools.replay.modes import MODES, kvpool_unavailable_reason, mode_unavailable_reason
 
 from tests.support.paths import REPO
 
@@ -113,7 +113,7 @@ def test_trace_parses_groups_and_names_the_bad_line(tmp_path):
 
 
 def test_kvpool_modes_are_reported_skipped_when_kvpool_is_not_importable(monkeypatch):
-    from kvpool.replay import engine, modes, runner
+    from kvpool.tools.replay import engine, modes, runner
 
     def unavailable():
         raise modes.ModeUnavailable("kvpool is not importable (test)")
@@ -304,7 +304,7 @@ def test_kvpool_contiguous_keeps_vanillas_cache_behaviour_and_reports_its_policy
 def test_kvpool_modes_are_reported_unavailable_when_the_extension_is_not_built(monkeypatch):
     # ``import kvpool`` works without the built extension; the replay must say so
     # before a mode starts, not fail later inside ``install()``.
-    from kvpool.replay import modes
+    from kvpool.tools.replay import modes
 
     monkeypatch.setitem(sys.modules, "kvpool._core", None)
     why = modes.mode_unavailable_reason("kvpool+contiguous")

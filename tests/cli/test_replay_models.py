@@ -20,7 +20,7 @@ import pytest
 
 import kvpool
 from kvpool.cpu_platform import cpu_environment
-from kvpool.replay.modes import mode_unavailable_reason
+from kvpool.tools.replay.modes import mode_unavailable_reason
 
 from tests.support.paths import REPO
 
@@ -57,10 +57,10 @@ def _modes() -> tuple[str, ...]:
 RESOLVE = textwrap.dedent("""
     import json, sys
     from dataclasses import replace
-    from kvpool.hf_offline import offline_hf_cache
+    from kvpool.tools.hf_offline import offline_hf_cache
     models = sys.argv[1:]
     with offline_hf_cache(models):
-        from kvpool.replay import engine, geometry, workloads
+        from kvpool.tools.replay import engine, geometry, workloads
         from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
         from vllm.model_executor.models import ModelRegistry
         from vllm.v1.kv_cache_interface import MambaSpec

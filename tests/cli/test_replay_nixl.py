@@ -1,4 +1,4 @@
-"""``python -m kvpool replay --nixl``: P/D transfers through the real NIXL (kvpool.replay.nixl).
+"""``python -m kvpool replay --nixl``: P/D transfers through the real NIXL (kvpool.tools.replay.nixl).
 
 The descriptor indices are checked against vLLM's own ``_compute_desc_ids`` (the installed
 release's NixlConnector), NIXL's ``descCount`` against the replay's own count (runs in which
@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvpool.replay import metrics, nixl
-from kvpool.replay.nixl import NixlTransfer, NixlTransferError, NixlUnavailable, desc_ids
+from kvpool.tools.replay import metrics, nixl
+from kvpool.tools.replay.nixl import NixlTransfer, NixlTransferError, NixlUnavailable, desc_ids
 
 NUM_BLOCKS = 4096
 
@@ -129,9 +129,9 @@ def test_tables_of_different_lengths(transfer):
 def test_a_pd_replay_through_nixl():
     """A small P/D replay: every round's NIXL descriptors are the replay's P/D descriptors
     times the regions, in every mode, and the prompts' tables read back equal."""
-    from kvpool.replay.engine import PoolSpec
-    from kvpool.replay.runner import run_replay
-    from kvpool.replay.workloads import pd
+    from kvpool.tools.replay.engine import PoolSpec
+    from kvpool.tools.replay.runner import run_replay
+    from kvpool.tools.replay.workloads import pd
 
     wl = pd(rounds=2, requests_per_round=6, prompt_len=(200, 900), output_len=(8, 16), scale=1.0, seed=3)
     modes = run_replay(wl, PoolSpec(num_blocks=256, block_size=16), ("vanilla", "kvpool+contiguous"),
@@ -154,7 +154,7 @@ def in_process_cli(monkeypatch):
     process (``VLLM_LOGGING_LEVEL``) is restored afterwards, so later subprocesses of the
     suite still see vLLM's info lines."""
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
-    from kvpool.replay.cli import main
+    from kvpool.tools.replay.cli import main
 
     return main
 

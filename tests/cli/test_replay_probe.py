@@ -1,4 +1,4 @@
-"""The replay's probe (kvpool.replay.probe) measures without changing what runs: its
+"""The replay's probe (kvpool.tools.replay.probe) measures without changing what runs: its
 figures for the blocks that became full equal what vLLM's own ``cache_full_blocks``
 is called with, and under it kvpool's native caching and eviction stay on (issue 17:
 the replay's per-step figures are kvpool's, not kvpool with vLLM's Python caching).
@@ -19,11 +19,11 @@ import pytest
 # `replay` main() of another test), later configs would be looked up in a deleted one.
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: F401
 
-from kvpool.replay import metrics, workloads
-from kvpool.replay import modes as replay_modes
-from kvpool.replay.engine import PoolSpec
-from kvpool.replay.modes import kvpool_unavailable_reason
-from kvpool.replay.runner import ModeRun
+from kvpool.tools.replay import metrics, workloads
+from kvpool.tools.replay import modes as replay_modes
+from kvpool.tools.replay.engine import PoolSpec
+from kvpool.tools.replay.modes import kvpool_unavailable_reason
+from kvpool.tools.replay.runner import ModeRun
 
 
 @pytest.fixture(autouse=True)

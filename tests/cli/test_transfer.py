@@ -26,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 import kvpool
 from kvpool.cpu_platform import cpu_environment
 from kvpool.patches import metrics as pool_metrics
-from kvpool.replay import metrics, report
-from kvpool.replay.modes import mode_unavailable_reason
+from kvpool.tools.replay import metrics, report
+from kvpool.tools.replay.modes import mode_unavailable_reason
 from tests.support.paths import REPO
 
 
@@ -354,7 +354,7 @@ def test_lru_window_trades_a_few_evictions_for_fewer_descriptors(lru_window_repo
 
 
 def test_replay_refuses_a_malformed_lru_window_mode():
-    from kvpool.replay import modes
+    from kvpool.tools.replay import modes
 
     assert modes.get("kvpool+contiguous+w16").lru_window == 16
     for bad in ("kvpool+contiguous+w0", "kvpool+contiguous+w", "kvpool+contiguous+w016", "kvpool+w16",

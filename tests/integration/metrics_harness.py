@@ -107,14 +107,14 @@ def scrape_vllm_metrics_route() -> dict[str, object]:
 def main() -> int:
     kind = sys.argv[1]
     contiguous = "--contiguous" in sys.argv
-    from kvpool.hf_offline import offline_hf_cache
-    from kvpool.replay import workloads
+    from kvpool.tools.hf_offline import offline_hf_cache
+    from kvpool.tools.replay import workloads
 
     wl = workloads.grpo(rounds=1, prompts_per_round=2, samples_per_prompt=2,
                         prompt_len=(300, 500), output_len=(20, 40))
     with offline_hf_cache([wl.engine.model]):
         from kvpool import patching
-        from kvpool.replay import engine, loop, probe
+        from kvpool.tools.replay import engine, loop, probe
 
         state = None
         if kind == "kvpool":

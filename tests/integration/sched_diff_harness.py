@@ -117,7 +117,7 @@ def _vllm_config(ep: Episode):
     from vllm.config import (CacheConfig, KVEventsConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, SpeculativeConfig, VllmConfig)
 
-    from kvpool.hf_offline import CONFIG_ROOT
+    from kvpool.tools.hf_offline import CONFIG_ROOT
 
     model_config = ModelConfig(model=str(CONFIG_ROOT / "facebook--opt-125m"), dtype="float16", seed=0,
                                skip_tokenizer_init=True, max_model_len=ep.max_model_len)
@@ -184,7 +184,7 @@ def _deferred_free_by_group(self, request) -> None:
 def build_scheduler(ep: Episode, side: str):
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    from kvpool.replay import engine
+    from kvpool.tools.replay import engine
     from tests.support.scheduler import kv_cache_groups
 
     groups = kv_cache_groups(ep.block_size, ep.num_groups, ep.window_blocks)
@@ -212,7 +212,7 @@ class RequestStream:
     multiples and +-1, shared prefixes, exact repeats, continued conversations."""
 
     def __init__(self, rng: random.Random, ep: Episode, episode_index: int) -> None:
-        from kvpool.replay.engine import block_hasher
+        from kvpool.tools.replay.engine import block_hasher
 
         self.rng = rng
         self.ep = ep
@@ -291,7 +291,7 @@ def sampled_tokens(scheduler, so, rng: random.Random) -> dict[str, list[int]]:
 
 
 def model_output(so, tokens: dict[str, list[int]]):
-    from kvpool.replay.engine import model_runner_output
+    from kvpool.tools.replay.engine import model_runner_output
 
     ids = list(so.num_scheduled_tokens)
     return model_runner_output(ids, [tokens[rid] for rid in ids], logprobs=None, prompt_logprobs_dict={},
@@ -574,7 +574,7 @@ def _prepare(side: str) -> dict:
     """Offline configs, quiet logs, the side's pool classes; which pool and
     ``allocate_slots`` it runs."""
     sys.path.insert(0, str(REPO))
-    from kvpool.hf_offline import OFFLINE_FLAGS
+    from kvpool.tools.hf_offline import OFFLINE_FLAGS
 
     os.environ.update(OFFLINE_FLAGS)
     import logging

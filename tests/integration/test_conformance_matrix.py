@@ -4,7 +4,7 @@ one place that knows each release (``kvpool.vllm_compat``)."""
 from __future__ import annotations
 
 from kvpool import vllm_compat
-from kvpool.conformance import cli, matrix
+from kvpool.tools.conformance import cli, matrix
 
 from tests.support.paths import REPO
 

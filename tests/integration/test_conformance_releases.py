@@ -1,6 +1,6 @@
-"""The conformance runner's per-release knowledge (``kvpool.conformance.suites``' tables keyed
+"""The conformance runner's per-release knowledge (``kvpool.tools.conformance.suites``' tables keyed
 by release) and the native manager path probe each release's report carries
-(``kvpool.conformance.probe``), without running vLLM's suites."""
+(``kvpool.tools.conformance.probe``), without running vLLM's suites."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.conformance import cli, matrix, probe, report, sdist, suites, workdir
-from kvpool.hf_offline import materialize_hf_cache
+from kvpool.tools.conformance import cli, matrix, probe, report, sdist, suites, workdir
+from kvpool.tools.hf_offline import materialize_hf_cache
 from tests.support.sdist import write_sdist
 
 LIFECYCLE = "tests/v1/kv_connector/unit/test_kv_connector_lifecycle.py"

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.conformance import cli, report, sdist, suites, workdir
-from kvpool.conformance.report import RunResult
-from kvpool.conformance.suites import Exclusion
+from kvpool.tools.conformance import cli, report, sdist, suites, workdir
+from kvpool.tools.conformance.report import RunResult
+from kvpool.tools.conformance.suites import Exclusion
 from kvpool.cpu_platform import cpu_environment
-from kvpool.hf_offline import CONFIG_ROOT, materialize_hf_cache, offline_env, shipped_models
+from kvpool.tools.hf_offline import CONFIG_ROOT, materialize_hf_cache, offline_env, shipped_models
 
 from tests.support.paths import REPO
 from tests.support.sdist import write_sdist
@@ -170,8 +170,8 @@ def test_pytest_command_loads_install_plugin_first_only_in_kvpool_mode(tmp_path)
     excl = [Exclusion("tests/a.py", "r"), Exclusion("tests/b.py::t", "r")]
     vanilla = cli.pytest_command("vanilla", ["tests/v1"], tmp_path, tmp_path / "o", tmp_path / "e", excl, "k1")
     kvpool = cli.pytest_command("kvpool", ["tests/v1"], tmp_path, tmp_path / "o", tmp_path / "e", excl)
-    assert "kvpool.conformance.pytest_install" not in vanilla
-    assert kvpool[3:5] == ["-p", "kvpool.conformance.pytest_install"]
+    assert "kvpool.tools.conformance.pytest_install" not in vanilla
+    assert kvpool[3:5] == ["-p", "kvpool.tools.conformance.pytest_install"]
     assert "--ignore=tests/a.py" in vanilla and "--ignore=tests/b.py::t" not in vanilla
     assert vanilla[vanilla.index("-k") + 1] == "k1"
 
@@ -315,7 +315,7 @@ def test_override_goes_to_the_shallowest_directory_without_a_vllm_conftest(tmp_p
     ids=["install-raises", "install-is-a-no-op"],
 )
 def test_install_plugin_import_fails_loudly(patch, expected):
-    code = f"import kvpool\n{patch}\nimport kvpool.conformance.pytest_install\n"
+    code = f"import kvpool\n{patch}\nimport kvpool.tools.conformance.pytest_install\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "KvpoolInstallError" in proc.stderr and expected in proc.stderr, proc.stderr[-2000:]

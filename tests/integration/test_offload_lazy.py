@@ -107,7 +107,7 @@ def _unguarded_bind(sched, pool):
 
 def _request(request_id: str, seed: int, num_blocks: int):
     """``num_blocks`` full blocks + 1 token (so all full blocks can be hit)."""
-    from kvpool.replay.engine import block_hasher, make_request
+    from kvpool.tools.replay.engine import block_hasher, make_request
 
     tokens = list(range(seed * 10000, seed * 10000 + num_blocks * BS + 1))
     return make_request(request_id, tokens, max_tokens=1, hasher=block_hasher(BS))
@@ -409,7 +409,7 @@ def serve(workload, *, lazy: bool, num_blocks: int, num_cpu_blocks: int, steps_p
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
-    from kvpool.replay.engine import block_hasher, make_request, model_runner_output
+    from kvpool.tools.replay.engine import block_hasher, make_request, model_runner_output
 
     sched = _scheduler(lazy, num_blocks, num_cpu_blocks)
     manager = sched.connector.scheduler_manager

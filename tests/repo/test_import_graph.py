@@ -30,20 +30,33 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("block_pool",),
     ("patches", "selfcheck"),  # the patch modules: apply(patcher); the self-check install() runs first
     ("patching",),  # install() / uninstall(), runs the patch modules
-    ("", "plugin", "cpu_platform"),  # the package's public names; the vLLM entry points
-    ("cliargs", "hf_offline"),  # helpers of the commands
-    ("info", "conformance", "replay"),  # python -m kvpool info / conformance / replay
-    ("locality",),  # python -m kvpool locality (reads replay's tables)
+    ("", "plugin", "cpu_platform", "introspect"),  # the public names; the vLLM entry points
+    ("info",),  # python -m kvpool info (the runtime's own command)
+    ("tools",),  # kvpool.tools' own __init__ (a docstring)
+    ("tools.cliargs", "tools.hf_offline"),  # helpers of the tools' commands
+    ("tools.conformance", "tools.replay"),  # python -m kvpool conformance / porting / replay
+    ("tools.locality",),  # python -m kvpool locality (reads replay's tables)
     ("__main__",),
 )
 LAYER_OF = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
 
+#: The runtime's public API: the only runtime units a tool (``kvpool.tools.*``) may import.
+RUNTIME_API = frozenset({"", "errors", "envs", "vllm_compat", "cpu_platform", "introspect"})
+
+
 def _unit(module: str) -> str:
-    """``kvpool.replay.cli`` -> ``replay``; ``kvpool`` -> ``""``."""
+    """``kvpool.patches.metrics`` -> ``patches``; ``kvpool.tools.replay.cli`` ->
+    ``tools.replay``; ``kvpool`` -> ``""``."""
     parts = module.split(".")
     assert parts[0] == "kvpool", module
+    if len(parts) > 2 and parts[1] == "tools":
+        return f"tools.{parts[2]}"
     return parts[1] if len(parts) > 1 else ""
+
+
+def _is_tool(unit: str) -> bool:
+    return unit == "tools" or unit.startswith("tools.")
 
 
 def _is_submodule(module: str) -> bool:
@@ -122,6 +135,40 @@ def test_imports_run_only_down_the_layers():
 def test_the_graph_sees_function_level_and_extension_imports():
     edges = {(unit, target) for _, _, unit, target in _edges()}
     assert ("info", "vllm_compat") in edges  # module level
+    assert ("tools.replay", "introspect") in edges  # inside a function
     assert ("plugin", "patching") in edges  # inside register()
     assert ("patching", "patches") in edges  # PATCH_MODULES
     assert ("_core", "errors") in edges  # src/kvpool/errors.pxi
+
+
+def test_the_tools_use_only_the_runtimes_public_api():
+    """A tool imports the runtime only through :data:`RUNTIME_API`, so that the runtime can
+    change inside and be audited alone."""
+    private = [
+        f"{file}:{line}: {unit} imports {target or 'kvpool'}"
+        for file, line, unit, target in _edges()
+        if _is_tool(unit) and not _is_tool(target) and target not in RUNTIME_API
+    ]
+    assert not private, "tools reaching past the runtime's public API:\n" + "\n".join(private)
+
+
+def test_the_runtime_never_imports_the_tools():
+    runtime_to_tools = [
+        f"{file}:{line}: {unit or 'kvpool'} imports {target}"
+        for file, line, unit, target in _edges()
+        if not _is_tool(unit) and unit != "__main__" and _is_tool(target)
+    ]
+    assert not runtime_to_tools, "\n".join(runtime_to_tools)
+
+
+def test_the_runtime_files_are_listed_in_the_design_doc():
+    """docs/design.md's "Runtime and tools" lists every runtime file, for an auditor."""
+    design = (REPO / "docs" / "design.md").read_text()
+    section = design.split("## Runtime and tools", 1)[1].split("\n## ", 1)[0]
+    runtime = sorted(
+        str(p.relative_to(PKG.parent))
+        for p in PKG.rglob("*.py")
+        if not _is_tool(_unit(_module_name(p))) and p.name != "__main__.py"
+    )
+    missing = [f for f in runtime if f"`{f}`" not in section]
+    assert not missing, f"add to docs/design.md, Runtime and tools: {missing}"

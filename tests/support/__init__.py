@@ -6,7 +6,7 @@ a child process inserts it itself):
 
 - :mod:`tests.support.paths`: the repository root.
 - :mod:`tests.support.scheduler`: real vLLM schedulers, requests and model outputs
-  without a model (over :mod:`kvpool.replay.engine`), 1-3 KV cache groups.
+  without a model (over :mod:`kvpool.tools.replay.engine`), 1-3 KV cache groups.
 - :mod:`tests.support.scripted_engine`: a model-less vLLM ``Executor``
   (``ScriptedExecutor``) and its ``VllmConfig``, for ``EngineCore`` and the engine-core
   clients; importable by name in a spawned engine-core process.

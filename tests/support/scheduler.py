@@ -1,7 +1,7 @@
 """Build real vLLM 0.33.0 schedulers and KV cache managers without a model.
 
 The scheduler, requests and model outputs come from the replay's model-less engine
-(:mod:`kvpool.replay.engine`, after ``create_scheduler`` / ``create_requests`` of vLLM
+(:mod:`kvpool.tools.replay.engine`, after ``create_scheduler`` / ``create_requests`` of vLLM
 0.33.0's ``tests/v1/core/utils.py``); this module adds what kvpool's tests need on top:
 opt-125m's config, a hybrid (full attention + sliding window + chunked local) KV cache
 config.
@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
-from kvpool.replay import engine
+from kvpool.tools.replay import engine
 
 MODEL = "facebook/opt-125m"
 EOS_TOKEN_ID = 50256

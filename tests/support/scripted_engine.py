@@ -36,7 +36,7 @@ HEAD_SIZE = 64
 
 
 def opt_125m_dir() -> str:
-    from kvpool.hf_offline import CONFIG_ROOT
+    from kvpool.tools.hf_offline import CONFIG_ROOT
 
     return str(CONFIG_ROOT / "facebook--opt-125m")
 
@@ -89,7 +89,7 @@ def make_scheduler(vllm_config=None, kv_cache_groups=None, num_blocks: int | Non
         kv_cache_groups: ``list[KVCacheGroupSpec]``; default one full-attention group.
         num_blocks: pool size; default the config's ``num_gpu_blocks_override``.
     """
-    from kvpool.replay import engine
+    from kvpool.tools.replay import engine
 
     vllm_config = vllm_config or make_vllm_config()
     num_blocks = num_blocks or vllm_config.cache_config.num_gpu_blocks_override
@@ -101,7 +101,7 @@ def make_scheduler(vllm_config=None, kv_cache_groups=None, num_blocks: int | Non
 def make_request(request_id: str, prompt_token_ids: list[int], max_tokens: int):
     """A scheduler ``Request`` with prefix-cache block hashes (sha256, as vLLM's
     tests) that runs exactly ``max_tokens`` decode steps."""
-    from kvpool.replay import engine
+    from kvpool.tools.replay import engine
 
     return engine.make_request(request_id, prompt_token_ids, max_tokens=max_tokens, eos_token_id=2,
                                hasher=engine.block_hasher(BLOCK_SIZE))
@@ -148,7 +148,7 @@ def make_engine_core_request(prompt_token_ids: list[int], max_tokens: int, reque
 def scripted_output(scheduler_output):
     """``ModelRunnerOutput`` sampling :data:`SAMPLED_TOKEN_ID` for every request the
     step scheduled (prompts are never chunked under :func:`make_vllm_config`)."""
-    from kvpool.replay import engine
+    from kvpool.tools.replay import engine
 
     req_ids = list(scheduler_output.num_scheduled_tokens)
     return engine.model_runner_output(req_ids, [[SAMPLED_TOKEN_ID] for _ in req_ids])
