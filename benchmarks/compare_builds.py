@@ -68,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         if a[group]["target"] is not None:
             worst = min(worst, rel)
         fmt = lambda xs: " / ".join(f"{x:.1f}" for x in xs)  # noqa: E731
+        us_a, us_b = (statistics.median(x[group]["kvpool_s"]) * 1e6 for x in (a, b))
         print(f"{group:<34}{rel:>12.2f}"
-              f"{statistics.median(a[group]['kvpool_s']) * 1e6:>14.1f}us{statistics.median(b[group]['kvpool_s']) * 1e6:>14.1f}us"
+              f"{us_a:>14.1f}us{us_b:>14.1f}us"
               f"   {na} {fmt(ra)} | {nb} {fmt(rb)}")
     print(f"worst {nb}/{na} paired median ratio of a targeted group: {worst:.2f} (tolerance {1 - args.tolerance:.2f})")
     return 0 if worst >= 1 - args.tolerance else 1

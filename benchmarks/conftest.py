@@ -1,10 +1,11 @@
-"""Benchmarks of vLLM 0.33.0's Python block pool and kvpool, in the same run.
+"""Benchmarks of vLLM's Python block pool and kvpool, in the same run.
 
 Each operation has one benchmark per implementation in the same pytest-benchmark
 group; the terminal summary prints the ratio of medians (vLLM / kvpool; for numbered
-rounds of the same work, the median of the rounds' ratios) and ns per block. No test asserts an absolute time. CI saves the run and fails when a ratio is
-below its target: ``python benchmarks/check_ratios.py RESULT.json`` (targets in
-benchmarks/ratios.py, results in docs/performance.md).
+rounds of the same work, the median of the rounds' ratios) and ns per block. No test
+asserts an absolute time. CI saves the run and fails when a ratio is below its target:
+``python benchmarks/check_ratios.py RESULT.json`` (targets in benchmarks/ratios.py,
+results in docs/performance.md).
 """
 
 from __future__ import annotations

@@ -47,6 +47,8 @@ def step_shares(raw_lines, top: int = 12) -> dict:
 
     Args:
         raw_lines: lines ``frame;frame;...;leaf COUNT`` (root first).
+        top: how many leaf frames ``"top"`` lists, largest share first.
+
     Returns:
         ``{"step_samples", "under_manager", "kvpool_leaf", "top": [(leaf, share)]}``,
         shares as fractions of the step samples.

@@ -13,13 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
-from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue as VllmFreeQueue
-from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue as VllmFreeQueue, make_block_hash_with_group_id
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvpool import FencedDeferredFreeQueue, allocation
-from kvpool.patches import deferred_free as kv_deferred
 from kvpool.block_pool import BlockPool as KvpoolBlockPool
+from kvpool.patches import deferred_free as kv_deferred
 
 NUM_BLOCKS = 85_000
 REQUEST_BLOCKS = 2_100

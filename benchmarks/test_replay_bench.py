@@ -28,8 +28,7 @@ import os
 
 import pytest
 
-from kvpool.tools.replay import modes as replay_modes
-from kvpool.tools.replay import workloads
+from kvpool.tools.replay import modes as replay_modes, workloads
 from kvpool.tools.replay.engine import PoolSpec
 from kvpool.tools.replay.runner import ModeRun
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything CI runs, from a fresh clone: .venv + build, kvpool's tests, the
+# Everything CI runs, from a fresh clone: .venv + build, ruff, kvpool's tests, the
 # benchmarks (vLLM/kvpool ratios of the same run checked against the targets in
 # benchmarks/ratios.py; never an absolute time), the conformance run of vLLM's
 # own test suite with and without kvpool (fails on any regression), and the short
@@ -9,6 +9,9 @@ bash scripts/bootstrap.sh
 use_cpu_platform
 mkdir -p .ci-out
 py=.venv/bin/python
+
+echo "== lint: ruff (the rules of pyproject.toml, vLLM's selection)"
+"$py" -m ruff check .
 
 echo "== kvpool tests"
 # The long differentials at 10^5 operations (10^6: docs/native-checks.md, docs/design.md).

@@ -10,9 +10,9 @@ from kvpool.cpu_platform import cpu_environment
 # an x86 CPU without triton-cpu); child processes inherit it.
 cpu_environment(os.environ)
 
-import pytest
+import pytest  # noqa: E402  (after the platform environment above)
 
-from kvpool.tools.hf_offline import materialize_hf_cache, offline_env
+from kvpool.tools.hf_offline import materialize_hf_cache, offline_env  # noqa: E402
 
 _HF_HOME = None
 

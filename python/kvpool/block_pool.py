@@ -28,15 +28,12 @@ from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared
 from vllm.v1.core import block_pool as _vllm_block_pool
 
 from kvpool import allocation, envs
-from kvpool.block_hash_map import BLOCK_IDS_MAP, TRAITS as _TRAITS, BlockHashToBlockMap, new_map
-from kvpool.errors import NotAKvpoolPoolError
-from kvpool.vllm_calls import POOL_SELF_CALLS
 from kvpool._core import (
     BlockTable,
-    configure_block_fields,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
     VllmCallGuard,
+    configure_block_fields,
     make_pool_blocks,
     pool_blocks_to_evict,
     pool_free_blocks,
@@ -44,6 +41,9 @@ from kvpool._core import (
     pool_touch,
     pool_unpin_blocks,
 )
+from kvpool.block_hash_map import BLOCK_IDS_MAP, TRAITS as _TRAITS, BlockHashToBlockMap, new_map
+from kvpool.errors import NotAKvpoolPoolError
+from kvpool.vllm_calls import POOL_SELF_CALLS
 
 # vLLM's own block-pool logger ("vllm.v1.core.block_pool"): kvpool's pool is vLLM's
 # BlockPool to an operator, so its lines (vLLM's reset messages included) go where
@@ -164,6 +164,7 @@ class BlockPool(VllmBlockPool):
             ``list[KVCacheBlock]`` of length ``num_blocks``, in free-queue order (with
             ``allocation="contiguous"``: the blocks taken from the LRU segment, evicted
             in free-queue order, are returned ascending by id; docs/design.md).
+
         Raises:
             ValueError: more blocks than are free ("Cannot get N free blocks from the
                 pool") or ``num_blocks < 0``.
@@ -254,6 +255,7 @@ class BlockPool(VllmBlockPool):
             evict_first: hashed blocks reaching 0 go to the front too, and other pools
                 are asked the same (vLLM >= 0.34.0's keyword; for blocks another tier
                 holds). Accepted on every release; vLLM 0.30.0-0.33.0 never pass it.
+
         Raises:
             BlockStateError: double free or a block of another pool (nothing freed).
         """
@@ -333,6 +335,7 @@ class BlockPool(VllmBlockPool):
 
         Returns:
             True if the prefix cache was reset.
+
         Raises:
             NotAKvpoolPoolError: ``reorder_free_queue=True`` on a pool kvpool did not
                 build (see the module docstring); ``KVPOOL_REORDER_ON_RESET=1`` does not
@@ -401,6 +404,7 @@ class BlockPool(VllmBlockPool):
             (with the contiguous policy: the k lowest uncached blocks).
             False, with a warning, while any block other than the null block is in
             use; nothing changes then.
+
         Raises:
             NotAKvpoolPoolError: a pool kvpool did not build (see the module docstring).
         """
@@ -443,6 +447,7 @@ class BlockPool(VllmBlockPool):
             per request and KV cache group, each preemption's free included) and
             ``mean_descriptors_per_table`` (0.0 without a table).
             O(num_gpu_blocks).
+
         Raises:
             NotAKvpoolPoolError: a pool kvpool did not build (see the module docstring).
         """

@@ -177,7 +177,8 @@ SCRIPT_VARIABLES: dict[str, str] = {
     "KVPOOL_WHEEL_ARCHS": "scripts/build-wheel.sh: the architectures to build (default: x86_64 aarch64)",
     "KVPOOL_WHEEL_CXXFLAGS": "scripts/build-wheel.sh: extra compiler flags (default: -Xclang -O3 -fomit-frame-pointer)",
     "KVPOOL_BUILD_SUFFIX": "scripts/build-wheel.sh: suffix of the build folders (chroots)",
-    "KVPOOL_CHROOT_DIR": "scripts/test-python.sh, scripts/test-arch.sh: where the Debian chroots live (default /var/tmp/kvpool-chroots)",
+    "KVPOOL_CHROOT_DIR": ("scripts/test-python.sh, scripts/test-arch.sh: where the Debian chroots live "
+                          "(default /var/tmp/kvpool-chroots)"),
     "KVPOOL_PY_ROUTE": "scripts/test-python.sh: chroot or pyenv forces that route to the interpreter",
     "KVPOOL_PY_CONFORMANCE": "scripts/test-python.sh: 0 skips vLLM's own tests after kvpool's suite",
     "KVPOOL_ARCH_WHEEL": "scripts/test-arch.sh: the wheel to install in the arm64 chroot (internal)",

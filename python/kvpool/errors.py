@@ -103,6 +103,16 @@ class KvpoolInstallError(KvpoolError, RuntimeError):
     """kvpool could not be installed into vLLM for the conformance run."""
 
 
+class NixlUnavailable(KvpoolError, RuntimeError):
+    """``replay --nixl``: NIXL cannot be imported here (the message names the install
+    command)."""
+
+
+class NixlTransferError(KvpoolError, RuntimeError):
+    """``replay --nixl``: a transfer failed, timed out, or moved bytes other than the
+    prefill side's."""
+
+
 __all__ = [
     "InvalidSettingError",
     "KvpoolError",
@@ -111,6 +121,8 @@ __all__ = [
     "LazyOffloadOrderError",
     "MissingPatchTargetError",
     "ModeUnavailable",
+    "NixlTransferError",
+    "NixlUnavailable",
     "NotAKvpoolPoolError",
     "PoolsBuiltBeforeInstallError",
     "PortingError",

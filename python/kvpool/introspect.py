@@ -14,8 +14,7 @@ from typing import Any
 
 from kvpool import _core, patching
 from kvpool.patches import manager_fast_path
-from kvpool.selfcheck import SelfCheckResult
-from kvpool.selfcheck import run as _run_selfcheck
+from kvpool.selfcheck import SelfCheckResult, run as _run_selfcheck
 
 __all__ = [
     "SelfCheckResult",

@@ -43,7 +43,13 @@ from typing import Any
 
 from kvpool import envs
 from kvpool.errors import PoolsBuiltBeforeInstallError, SelfCheckError
-from kvpool.vllm_compat import MissingPatchTargetError, UnsupportedVLLMVersionError, check_vllm_version, is_supported, release_traits
+from kvpool.vllm_compat import (
+    MissingPatchTargetError,
+    UnsupportedVLLMVersionError,
+    check_vllm_version,
+    is_supported,
+    release_traits,
+)
 
 # Under the "vllm" logger, so vLLM's logging configuration (handler, format, level,
 # VLLM_LOGGING_CONFIG_PATH) applies to kvpool's lines as to vLLM's own.
@@ -144,8 +150,7 @@ def vanilla_classes() -> dict[str, Any]:
 
 
 def _replacements() -> dict[str, Any]:
-    from kvpool import _core
-    from kvpool import block_pool as kp
+    from kvpool import _core, block_pool as kp
 
     return {
         "KVCacheBlock": _core.KVCacheBlock,
@@ -424,10 +429,8 @@ def _apply_patch_modules(state: _InstallState, untested: bool) -> None:
 def _undo_attrs(attrs: list[tuple[Any, str, Any]]) -> None:
     for owner, name, old in reversed(attrs):
         if old is _MISSING:
-            try:
+            with contextlib.suppress(AttributeError):
                 delattr(owner, name)
-            except AttributeError:
-                pass
         else:
             setattr(owner, name, old)
 

@@ -148,7 +148,8 @@ def _from_ast(args: ast.arguments) -> inspect.Signature:
     if args.vararg is not None:
         params.append(P(args.vararg.arg, P.VAR_POSITIONAL))
     for arg, default in zip(args.kwonlyargs, args.kw_defaults):
-        params.append(P(arg.arg, P.KEYWORD_ONLY, default=P.empty if default is None else _Written(ast.unparse(default))))
+        written = P.empty if default is None else _Written(ast.unparse(default))
+        params.append(P(arg.arg, P.KEYWORD_ONLY, default=written))
     if args.kwarg is not None:
         params.append(P(args.kwarg.arg, P.VAR_KEYWORD))
     return inspect.Signature(params)
@@ -205,7 +206,8 @@ def accepts(vllm_sig: inspect.Signature, kvpool_sig: inspect.Signature) -> bool:
         if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY) and q.kind == P.POSITIONAL_ONLY:
             return False
     for q in ours.values():
-        if q.name not in vllm_sig.parameters and q.default is P.empty and q.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD):
+        variadic = q.kind in (P.VAR_POSITIONAL, P.VAR_KEYWORD)
+        if q.name not in vllm_sig.parameters and q.default is P.empty and not variadic:
             return False
     return True
 
@@ -335,7 +337,8 @@ def _script(pool, requests: dict[str, Any]):
     c = pool.get_new_blocks(1)
     yield "get_new_blocks(1)", _snapshot(pool, _ids(c))
     b_blocks = hit + c
-    yield "cache_full_blocks(b, 2 cached + 1)", _snapshot(pool, pool.cache_full_blocks(b_req, b_blocks, 2, 3, BLOCK_SIZE, 0))
+    cached = pool.cache_full_blocks(b_req, b_blocks, 2, 3, BLOCK_SIZE, 0)
+    yield "cache_full_blocks(b, 2 cached + 1)", _snapshot(pool, cached)
     yield "reset_prefix_cache() while blocks are held", _snapshot(pool, pool.reset_prefix_cache())
     pool.free_blocks(list(reversed(b_blocks)))
     yield "free_blocks(b's blocks reversed, then 4 unhashed)", _snapshot(pool, pool.free_blocks(b))
@@ -385,8 +388,8 @@ def _layout(vanilla: dict[str, Any], request) -> list[str]:
     hash_map = getattr(pool, "cached_block_hash_to_block", None)
     cache = getattr(hash_map, "_cache", None)
     if not isinstance(cache, dict):
-        return [f"BlockHashToBlockMap layout: vLLM's map has no dict _cache (a {type(cache).__name__}); "
-                "kvpool's native code reads and writes it"]
+        return [(f"BlockHashToBlockMap layout: vLLM's map has no dict _cache (a {type(cache).__name__}); "
+                 "kvpool's native code reads and writes it")]
     if _TRAITS.block_ids_map:
         return _ids_layout(hash_map, cache)
     for value in cache.values():
@@ -395,19 +398,20 @@ def _layout(vanilla: dict[str, Any], request) -> list[str]:
             if not isinstance(block, block_cls) or (key is not None and key != block.block_id):
                 return [f"BlockHashToBlockMap layout: vLLM's map stores {type(value).__name__} values in _cache"
                         + (f" ({{{type(key).__name__}: {type(block).__name__}}})" if key is not None else "")
-                        + "; kvpool's native code reads and writes KVCacheBlock objects (or {block_id: KVCacheBlock} dicts)"]
+                        + "; kvpool's native code reads and writes KVCacheBlock objects"
+                        + " (or {block_id: KVCacheBlock} dicts)"]
     return []
 
 
 def _ids_layout(hash_map, cache: dict) -> list[str]:
     """The block-ids layout (vLLM >= 0.34.0): int values, a dict ``_dup_ids``."""
     if type(getattr(hash_map, "_dup_ids", None)) is not dict or not hasattr(hash_map, "_blocks"):
-        return ["BlockHashToBlockMap layout: vLLM's map has no dict _dup_ids or no _blocks; kvpool's native "
-                "code reads and writes _cache (block ids) and _dup_ids"]
+        return [("BlockHashToBlockMap layout: vLLM's map has no dict _dup_ids or no _blocks; kvpool's native "
+                 "code reads and writes _cache (block ids) and _dup_ids")]
     for value in cache.values():
         if type(value) is not int:
-            return [f"BlockHashToBlockMap layout: vLLM's map stores {type(value).__name__} values in _cache; "
-                    "kvpool's native code reads and writes block ids"]
+            return [(f"BlockHashToBlockMap layout: vLLM's map stores {type(value).__name__} values in _cache; "
+                     "kvpool's native code reads and writes block ids")]
     return []
 
 
@@ -438,11 +442,10 @@ def check_contracts(vanilla: dict[str, Any], ours: dict[str, Any]) -> list[str]:
     mine, kvpool_pool = _run_script(ours["BlockPool"], requests)
     found = _first_difference(theirs, mine)
     found += _layout(vanilla, _request("a", list(range(12))))
-    if vllm_pool is not None:
-        if kvpool_pool is not None:
-            extra = sorted(set(vars(vllm_pool)) - set(vars(kvpool_pool)))
-            if extra:
-                found.append(f"BlockPool.__init__: vLLM's sets {', '.join(extra)}, kvpool's does not")
+    if vllm_pool is not None and kvpool_pool is not None:
+        extra = sorted(set(vars(vllm_pool)) - set(vars(kvpool_pool)))
+        if extra:
+            found.append(f"BlockPool.__init__: vLLM's sets {', '.join(extra)}, kvpool's does not")
     return found
 
 

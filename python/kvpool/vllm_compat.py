@@ -14,7 +14,10 @@ from importlib import metadata
 
 from kvpool import envs
 from kvpool._version import __version__
-from kvpool.errors import MissingPatchTargetError, UnsupportedVLLMVersionError  # (defined there, re-exported here)
+from kvpool.errors import (  # noqa: F401  (defined there, re-exported here)
+    MissingPatchTargetError,
+    UnsupportedVLLMVersionError,
+)
 
 
 @dataclass(frozen=True)

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from kvpool.tools.replay import cli as replay_cli
-from kvpool.tools.replay import report
 from kvpool.cpu_platform import cpu_environment
-
+from kvpool.tools.replay import cli as replay_cli, report
 from tests.support.paths import REPO
 
 
@@ -136,10 +134,10 @@ def _synthetic_report(n=20, collapse_at=14):
 def test_verdict_says_what_collapsed_what_held_and_by_how_much():
     lines = report.verdict(_synthetic_report())
     assert lines == [
-        "verdict: collapsed: vanilla, kvpool (prompt contiguity 1.000 -> 0.000, below 0.99 from round 14 of 20); "
-        "held: kvpool+reorder (min 1.000), kvpool+contiguous (min 1.000) over 20 rounds.",
-        "         hits/evictions/preemptions = vanilla's in every round for kvpool, kvpool+reorder, "
-        "kvpool+contiguous; scheduler CPU per step 0.97-1.02x vanilla's.",
+        ("verdict: collapsed: vanilla, kvpool (prompt contiguity 1.000 -> 0.000, below 0.99 from round 14 of 20); "
+         "held: kvpool+reorder (min 1.000), kvpool+contiguous (min 1.000) over 20 rounds."),
+        ("         hits/evictions/preemptions = vanilla's in every round for kvpool, kvpool+reorder, "
+         "kvpool+contiguous; scheduler CPU per step 0.97-1.02x vanilla's."),
     ]
 
 
@@ -230,8 +228,8 @@ def test_bootstrap_announces_every_install_step_with_a_line():
     assert len(installs) >= 8
     for i in installs:
         assert code[i - 1].startswith("step "), f"no progress line before: {code[i]}"
-    proc = subprocess.run(["bash", "-c", f"source <(sed -n '/^started=/,/^step()/p' {REPO}/scripts/bootstrap.sh); "
-                           "step 'installing torch'"], capture_output=True, text=True)
+    proc = subprocess.run(["bash", "-c", (f"source <(sed -n '/^started=/,/^step()/p' {REPO}/scripts/bootstrap.sh); "
+                            "step 'installing torch'")], capture_output=True, text=True)
     assert re.fullmatch(r"bootstrap \[0:0\d\] installing torch\n", proc.stdout), proc.stdout + proc.stderr
 
 

@@ -13,13 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpool import __main__ as kvpool_main
-from kvpool import info
-from kvpool.tools.conformance import cli as conformance_cli
-from kvpool.tools.conformance import porting as porting_cli
+from kvpool import __main__ as kvpool_main, info
+from kvpool.tools.conformance import cli as conformance_cli, porting as porting_cli
 from kvpool.tools.locality import cli as locality_cli
 from kvpool.tools.replay import cli as replay_cli
-
 from tests.support.paths import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -105,8 +102,8 @@ def test_every_flag_and_choice_list_of_a_documented_synopsis_is_the_parsers(wher
         action = actions[flag]
         if action.choices and i + 1 < len(args) and "|" in args[i + 1]:
             listed = set(args[i + 1].strip("[]").split("|"))
-            assert listed == set(action.choices), f"{where}: {flag} lists {sorted(listed)}, " \
-                                                 f"the parser has {sorted(action.choices)}"
+            assert listed == set(action.choices), (f"{where}: {flag} lists {sorted(listed)}, "
+                                                  f"the parser has {sorted(action.choices)}")
 
 
 def test_every_named_script_exists():

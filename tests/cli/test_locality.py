@@ -15,10 +15,9 @@ import sys
 
 import pytest
 
+from kvpool.cpu_platform import cpu_environment
 from kvpool.tools.locality import layouts, replay_tables
 from kvpool.tools.replay import metrics
-from kvpool.cpu_platform import cpu_environment
-
 from tests.support.paths import REPO
 
 TINY = ["--num-blocks", "512", "--num-kv-heads", "2", "--num-heads", "4", "--head-size", "64",

@@ -11,9 +11,9 @@ import pytest
 
 from kvpool import vllm_compat
 from kvpool.__main__ import main as kvpool_main
+from kvpool.errors import PortingError
 from kvpool.tools.conformance import porting, porting_sources
 from kvpool.tools.conformance.porting_sources import Sources, compare, find_definition
-from kvpool.errors import PortingError
 
 _UTILS = "vllm/v1/core/kv_cache_utils.py"
 _POOL = "vllm/v1/core/block_pool.py"
@@ -119,7 +119,8 @@ def test_the_installed_vllm_s_files_give_the_sources_the_fingerprint_reads():
 
 
 @pytest.mark.parametrize(("version", "against"), [
-    ("0.34.0", "0.33.0"), ("9.9.9", "0.34.0"), ("0.35.0", "0.34.0"), ("0.29.0", "0.30.0"), ("0.32.0", "0.31.0"), ("0.30.0", "0.31.0"),
+    ("0.34.0", "0.33.0"), ("9.9.9", "0.34.0"), ("0.35.0", "0.34.0"), ("0.29.0", "0.30.0"),
+    ("0.32.0", "0.31.0"), ("0.30.0", "0.31.0"),
     ("0.32.5", "0.32.0"),
 ])
 def test_nearest_known_release(version, against):
@@ -134,13 +135,14 @@ def test_an_unknown_version_is_one_error_line_not_a_traceback(monkeypatch, capsy
     monkeypatch.setattr(porting_sources, "download_wheel", not_on_the_index)
     assert kvpool_main(["porting", "--vllm-version", "9.9.9", "--wheels", str(tmp_path)]) == porting.EXIT_SETUP_FAILED
     err = capsys.readouterr().err
-    assert err.splitlines() == ["porting: vLLM 9.9.9 could not be downloaded from the package index (pip: ERROR: "
-                                "No matching distribution found for vllm==9.9.9)"]
+    assert err.splitlines() == [("porting: vLLM 9.9.9 could not be downloaded from the package index (pip: ERROR: "
+                                 "No matching distribution found for vllm==9.9.9)")]
 
 
 def _probe(**over):
     found = {"vllm": "0.99.0", "bind_error": None, "install_error": None, "matching_release": None,
-             "selfcheck": {"differences": ["BlockHashToBlockMap.__init__: vLLM takes (self, blocks), kvpool's takes (self)"],
+             "selfcheck": {"differences": [("BlockHashToBlockMap.__init__: vLLM takes (self, blocks), "
+                                            "kvpool's takes (self)")],
                            "seconds": 0.004},
              "patch_modules": {"kvpool.patches.manager_hooks": None,
                                "kvpool.patches.engine_api": "MissingPatchTargetError: no reset_prefix_cache"}}
@@ -148,11 +150,12 @@ def _probe(**over):
 
 
 def test_the_report_gives_the_summary_first_then_the_diffs():
-    compared = porting_sources.compare_releases(OLD, NEW, "0.33.0", "0.99.0", (("UnitaryKVCacheCoordinator", "cache_blocks"),
-                                                                             ("block_pool", "make_block_hash_with_group_id")))
+    mirrored = (("UnitaryKVCacheCoordinator", "cache_blocks"), ("block_pool", "make_block_hash_with_group_id"))
+    compared = porting_sources.compare_releases(OLD, NEW, "0.33.0", "0.99.0", mirrored)
     text = porting.format_report("0.99.0", "0.33.0", compared, _probe(), ".venv-vllm-0.99.0")
     lines = text.splitlines()
-    assert lines[0] == "kvpool porting report: vLLM 0.99.0 (NOT supported), against vLLM 0.33.0, the nearest release kvpool knows"
+    assert lines[0] == ("kvpool porting report: vLLM 0.99.0 (NOT supported), against vLLM 0.33.0, "
+                        "the nearest release kvpool knows")
     assert "self-check: FAILS, 1 difference(s) (4 ms); install() refuses this release:" in lines
     assert "  - BlockHashToBlockMap.__init__: vLLM takes (self, blocks), kvpool's takes (self)" in lines
     assert "  kvpool.patches.manager_hooks: bound" in lines

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 
 import kvpool
-from kvpool.tools.replay import metrics, traces, workloads
 from kvpool.cpu_platform import cpu_environment
+from kvpool.tools.replay import metrics, traces, workloads
 from kvpool.tools.replay.modes import MODES, kvpool_unavailable_reason, mode_unavailable_reason
-
 from tests.support.paths import REPO
 
 ROUND_KEYS = {
@@ -194,7 +193,7 @@ def test_report_has_the_documented_shape(grpo_report):
         assert len(res["rounds"]) == 6, mode
         for i, rnd in enumerate(res["rounds"]):
             assert rnd["round"] == i
-            assert ROUND_KEYS <= set(rnd), ROUND_KEYS - set(rnd)
+            assert set(rnd) >= ROUND_KEYS, ROUND_KEYS - set(rnd)
             assert 0.0 <= rnd["contiguity"] <= 1.0
             assert rnd["num_steps"] > 0 and rnd["sched_cpu_s_per_step"] > 0
             assert rnd["leaked_blocks"] == 0, (mode, i)
@@ -354,7 +353,7 @@ def test_serving_model_keeps_32_to_64_requests_in_flight():
         n += d
         if 0 < step < 6 * 400:
             seen.append(n)
-    assert 32 <= min(seen) and max(seen) <= 64, (min(seen), max(seen))
+    assert min(seen) >= 32 and max(seen) <= 64, (min(seen), max(seen))
 
 
 def test_continuous_trace_carries_arrival_steps_and_windows(tmp_path):
@@ -392,7 +391,7 @@ def test_serving_never_idles_and_keeps_its_requests_in_flight(tmp_path):
     assert len(res["rounds"]) == 2
     for r in res["rounds"]:
         assert r["num_steps"] == 150 and r["idle_steps"] == 0, r
-        assert 32 <= r["in_flight_min"] and r["in_flight_max"] <= 64, r
+        assert r["in_flight_min"] >= 32 and r["in_flight_max"] <= 64, r
         assert r["arrivals"] > 0 and r["finished"] > 0
         assert r["contiguity"] is not None and r["prefix_cache_hit_tokens"] > 0
     assert "reset_ok" not in res["rounds"][1]  # never drained, never reset

@@ -21,7 +21,6 @@ import pytest
 import kvpool
 from kvpool.cpu_platform import cpu_environment
 from kvpool.tools.replay.modes import mode_unavailable_reason
-
 from tests.support.paths import REPO
 
 DENSE, SLIDING, MAMBA = "Qwen/Qwen3-0.6B", "openai/gpt-oss-20b", "Qwen/Qwen3-Next-80B-A3B-Instruct"
@@ -95,7 +94,8 @@ RESOLVE = textwrap.dedent("""
                       "mamba_bytes": mamba_bytes, "coordinator": type(coordinator).__name__,
                       "managers": [type(x).__name__ for x in coordinator.single_type_managers],
                       "scheduler_block_size": sched.block_size,
-                      "default_block_size": __import__("vllm.config.cache", fromlist=["CacheConfig"]).CacheConfig.DEFAULT_BLOCK_SIZE}
+                      "default_block_size": __import__("vllm.config.cache",
+                                                      fromlist=["CacheConfig"]).CacheConfig.DEFAULT_BLOCK_SIZE}
         print(json.dumps(out))
 """)
 

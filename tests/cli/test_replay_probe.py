@@ -19,8 +19,7 @@ import pytest
 # `replay` main() of another test), later configs would be looked up in a deleted one.
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: F401
 
-from kvpool.tools.replay import metrics, workloads
-from kvpool.tools.replay import modes as replay_modes
+from kvpool.tools.replay import metrics, modes as replay_modes, workloads
 from kvpool.tools.replay.engine import PoolSpec
 from kvpool.tools.replay.modes import kvpool_unavailable_reason
 from kvpool.tools.replay.runner import ModeRun

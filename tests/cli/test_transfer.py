@@ -30,7 +30,6 @@ from kvpool.tools.replay import metrics, report
 from kvpool.tools.replay.modes import mode_unavailable_reason
 from tests.support.paths import REPO
 
-
 TRANSFER_ROUND_KEYS = {
     "prompts", "prompt_descriptors_median", "prompt_descriptors_p90", "prompt_descriptors_max",
     "prompt_descriptors_total", "prompt_descriptors_by_group",
@@ -252,7 +251,7 @@ def _modes(*wanted: str) -> tuple[str, ...]:
 
 
 def _assert_round_figures_consistent(rnd: dict, prompt_tables: list[list[int]]) -> None:
-    assert TRANSFER_ROUND_KEYS <= set(rnd), TRANSFER_ROUND_KEYS - set(rnd)
+    assert set(rnd) >= TRANSFER_ROUND_KEYS, TRANSFER_ROUND_KEYS - set(rnd)
     per_prompt = [metrics.transfer_descriptors(t) for t in prompt_tables]
     assert rnd["prompts"] == len(per_prompt)
     spread = metrics.spread(per_prompt)
@@ -292,7 +291,7 @@ def test_serving_windows_report_descriptors_and_copies_recomputable_from_the_tab
             # Which blocks become full, and when, is the scheduler's, not the allocator's.
             assert (rnd["offload_blocks"], rnd["offload_steps"]) == (vrnd["offload_blocks"], vrnd["offload_steps"])
         comp = rep["comparison"][mode]
-        assert TRANSFER_COMPARISON_KEYS <= set(comp)
+        assert set(comp) >= TRANSFER_COMPARISON_KEYS
         assert comp["prompt_descriptors_total"] == sum(r["prompt_descriptors_total"] for r in res["rounds"])
         assert comp["offload_copies_total"] == sum(r["offload_copies_total"] for r in res["rounds"])
         if mode != "vanilla":
@@ -375,7 +374,7 @@ def test_pd_workload_reports_both_sides_and_the_transfer_between_them(tmp_path):
     (measured: 1,409 against 144 over three rounds)."""
     rep = _replay(tmp_path, *PD_TINY, modes=_modes("vanilla", "kvpool", "kvpool+contiguous"))
     assert rep["workload"]["prefill_engine"]["kv_connector"] is None
-    for mode, res in rep["modes"].items():
+    for res in rep["modes"].values():
         for rnd in res["rounds"]:
             pre, dec = rnd["tables"]["prefill_prompt"], rnd["tables"]["prompt"]
             assert [len(t) for t in pre] == [len(t) for t in dec] and len(dec) == rnd["num_requests"]

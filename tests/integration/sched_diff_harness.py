@@ -114,8 +114,16 @@ def draw_episode(rng: random.Random, steps_left: int) -> Episode:
 
 
 def _vllm_config(ep: Episode):
-    from vllm.config import (CacheConfig, KVEventsConfig, KVTransferConfig, ModelConfig, ParallelConfig,
-                             SchedulerConfig, SpeculativeConfig, VllmConfig)
+    from vllm.config import (
+        CacheConfig,
+        KVEventsConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
 
     from kvpool.tools.hf_offline import CONFIG_ROOT
 
@@ -587,7 +595,6 @@ def _prepare(side: str) -> dict:
         raise RuntimeError("vanilla side with kvpool installed")
     logging.disable(logging.WARNING)
     from vllm.v1.core import kv_cache_coordinator
-
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     cls = kv_cache_coordinator.BlockPool

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from kvpool import vllm_compat
 from kvpool.tools.conformance import cli, matrix
-
 from tests.support.paths import REPO
 
 

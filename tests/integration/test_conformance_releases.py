@@ -74,7 +74,8 @@ def test_the_data_file_lands_at_its_sdist_path_and_nothing_else_of_rust(tmp_path
 SDIST_0_34 = sdist.cache_dir() / "sdists" / "vllm-0.34.0.tar.gz"
 
 
-@pytest.mark.skipif(not SDIST_0_34.is_file(), reason="vLLM 0.34.0's sdist is not cached (python -m kvpool conformance fetches it)")
+@pytest.mark.skipif(not SDIST_0_34.is_file(),
+                    reason="vLLM 0.34.0's sdist is not cached (python -m kvpool conformance fetches it)")
 def test_vllm_0_34_sdist_holds_the_vector_file_its_test_reads(tmp_path):
     # The path the test computes: tests/v1/core/<file>.parents[3] / VECTORS, i.e. the sdist root.
     src = sdist.extract_tests(SDIST_0_34, tmp_path / "src",

@@ -35,7 +35,6 @@ cpu_environment(os.environ)
 
 from kvpool import patching  # noqa: E402
 from kvpool.block_pool import REORDER_ON_RESET_ENV  # noqa: E402
-
 from tests.support.scripted_engine import (  # noqa: E402
     BLOCK_SIZE,
     ScriptedExecutor,
@@ -176,9 +175,10 @@ def _scramble_pool(pool, rng: random.Random) -> None:
 
 
 def test_unitary_coordinator_reorder_restores_block_id_order():
-    from kvpool.patches.engine_api import coordinator_block_pools
     from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    from kvpool.patches.engine_api import coordinator_block_pools
 
     manager = _manager([KVCacheGroupSpec(["layer"], _full_spec())])
     assert type(manager.coordinator) is UnitaryKVCacheCoordinator
@@ -193,9 +193,10 @@ def test_unitary_coordinator_reorder_restores_block_id_order():
 
 def test_full_plus_sliding_window_hybrid_shares_one_pool_and_reorders_it():
     import torch
-    from kvpool.patches.engine_api import coordinator_block_pools
     from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec
+
+    from kvpool.patches.engine_api import coordinator_block_pools
 
     swa = SlidingWindowSpec(
         block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=2 * BLOCK_SIZE
@@ -639,7 +640,8 @@ class AsyncEngine:
                     pending.discard(out.request_id)
         tables = {}
         for r in requests:
-            (table,) = await self.client.call_utility_async("collective_rpc", "block_table", None, (r.request_id,), None)
+            (table,) = await self.client.call_utility_async(
+                "collective_rpc", "block_table", None, (r.request_id,), None)
             tables[r.request_id] = table
         return tables
 
@@ -691,7 +693,8 @@ def async_engine():
 
 @pytest.mark.slow  # starts an engine-core process
 def test_async_llm_and_async_mp_client_reorder_the_engine_core_process(async_engine):
-    for reorder in (async_engine.client.reset_free_block_queue_order_async, async_engine.llm.reset_free_block_queue_order):
+    for reorder in (async_engine.client.reset_free_block_queue_order_async,
+                    async_engine.llm.reset_free_block_queue_order):
         async_engine.scramble()
         assert async_engine.probe() != [1, 2, 3, 4]
         async_engine.scramble()

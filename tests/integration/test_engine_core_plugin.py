@@ -17,7 +17,6 @@ import textwrap
 import pytest
 
 from kvpool.cpu_platform import cpu_environment
-
 from tests.support.paths import REPO
 
 SCRIPT = """
@@ -46,7 +45,8 @@ finally:
 
 @pytest.mark.slow  # starts an engine-core process
 def test_engine_core_started_by_vllm_runs_kvpool_and_llm_reorders_it():
-    env = {k: v for k, v in os.environ.items() if k not in ("KVPOOL_DISABLE", "VLLM_PLUGINS", "KVPOOL_REORDER_ON_RESET")}
+    unset = ("KVPOOL_DISABLE", "VLLM_PLUGINS", "KVPOOL_REORDER_ON_RESET")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     env.update(VLLM_WORKER_MULTIPROC_METHOD="spawn")
     cpu_environment(env)
     proc = subprocess.run(
@@ -58,7 +58,8 @@ def test_engine_core_started_by_vllm_runs_kvpool_and_llm_reorders_it():
     result = re.search(r"RESULT (\d+) (\[.*?\]) (\w+) (\[.*?\]) (\w+) (\[.*?\])", out)
     assert result, out[-6000:]
     client_pid = int(result.group(1))
-    active = [int(pid) for pid in re.findall(r"kvpool \S+ active: native block pool patched into vLLM \S+ \(.*?\bpid (\d+)", out)]
+    line = r"kvpool \S+ active: native block pool patched into vLLM \S+ \(.*?\bpid (\d+)"
+    active = [int(pid) for pid in re.findall(line, out)]
     assert any(pid != client_pid for pid in active), f"no engine-core process logged kvpool active:\n{out[-6000:]}"
     assert result.group(2) != "[1, 2, 3, 4]"  # the scramble took effect
     assert result.group(3) == "True" and result.group(4) == "[1, 2, 3, 4]"

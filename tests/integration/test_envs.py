@@ -14,7 +14,6 @@ import pytest
 
 import kvpool
 from kvpool import envs, patching
-
 from tests.support.paths import REPO
 
 PACKAGE = REPO / "python" / "kvpool"
@@ -217,8 +216,8 @@ def test_info_says_whether_the_native_manager_path_binds():
     from kvpool import vllm_compat
 
     release = vllm_compat._release(vllm_compat.installed_vllm_version())
-    assert "native KV cache manager path (allocate_slots of a running request): on (the mirrored " \
-           f"vLLM functions are {release}'s)" in proc.stdout
+    assert ("native KV cache manager path (allocate_slots of a running request): on (the mirrored "
+            f"vLLM functions are {release}'s)") in proc.stdout
     proc = _run(code, KVPOOL_PYTHON_MANAGER="1")
     assert "allocate_slots of a running request): off: KVPOOL_PYTHON_MANAGER is on" in proc.stdout
 

@@ -10,8 +10,7 @@ import textwrap
 import pytest
 
 import kvpool
-from kvpool import info as kvpool_info
-from kvpool import patching, vllm_compat
+from kvpool import info as kvpool_info, patching, vllm_compat
 
 
 def _bound_names():
@@ -143,7 +142,8 @@ def test_failed_patch_leaves_vllm_untouched(monkeypatch):
     assert _bound_names() == before
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    assert "deferred_frees" not in Scheduler.__init__.__code__.co_names or not hasattr(Scheduler.__init__, "__wrapped__")
+    init = Scheduler.__init__
+    assert "deferred_frees" not in init.__code__.co_names or not hasattr(init, "__wrapped__")
 
 
 def test_plugin_entry_point_is_declared():
@@ -212,7 +212,8 @@ def test_forced_untested_vllm_skips_what_it_lacks_with_one_warning_and_installs_
     try:
         warnings = [r.getMessage() for r in caplog.records if "not patched" in r.getMessage()]
         assert len(warnings) == 1, warnings
-        assert "kvpool.patches.engine_api" in warnings[0] and "KVCacheCoordinator defines no reset_prefix_cache()" in warnings[0]
+        assert "kvpool.patches.engine_api" in warnings[0]
+        assert "KVCacheCoordinator defines no reset_prefix_cache()" in warnings[0]
         assert "untested vLLM 0.29.0" in warnings[0]
         assert list(patching.skipped_patches()) == ["kvpool.patches.engine_api"]
         # engine_api's changes made before the missing method were taken back ...

@@ -16,6 +16,7 @@ runs 10^6 operations (default 20,000).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import random
@@ -25,9 +26,9 @@ import torch
 
 import kvpool
 from kvpool import _core
-from tests.support.scheduler import make_request
-from tests.support.map_view import map_entries
 from kvpool.block_hash_map import BLOCK_IDS_MAP
+from tests.support.map_view import map_entries
+from tests.support.scheduler import make_request
 
 
 def _put_several(hash_map, key, first_id, first_value) -> None:
@@ -63,8 +64,9 @@ def _manager(num_blocks: int, max_model_len: int = 1024, **kwargs):
 
 
 def _vanilla_allocate_slots():
-    from kvpool.patches.manager_fast_path import _vanilla
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from kvpool.patches.manager_fast_path import _vanilla
 
     return _vanilla(KVCacheManager, "allocate_slots")
 
@@ -249,8 +251,9 @@ def test_native_allocate_slots_matches_vllm(num_blocks, watermark, events):
 def _install_and_check_bound(name: str, native) -> object:
     """kvpool.install(); ``KVCacheManager.<name>`` is then ``native``, wrapping vLLM's
     function (returned) with its signature."""
-    from kvpool.patches.manager_fast_path import _vanilla
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from kvpool.patches.manager_fast_path import _vanilla
 
     vanilla = getattr(KVCacheManager, name)
     kvpool.install()
@@ -620,8 +623,9 @@ class _Index:
 def test_arguments_of_other_types_get_vllm_behaviour(arg, value):
     """Whatever vLLM does with an odd argument (compute, raise), the call does the same:
     the native path takes exact ints and bools only."""
-    from kvpool.patches.manager_fast_path import _vanilla
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from kvpool.patches.manager_fast_path import _vanilla
 
     kvpool.install()
     results = []
@@ -639,18 +643,14 @@ def test_arguments_of_other_types_get_vllm_behaviour(arg, value):
 
 
 def test_an_int_like_request_field_goes_to_vllm():
-    from kvpool.patches.manager_fast_path import _vanilla
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     kvpool.install()
     manager = _manager(64)
     req = _running(manager)
     fast, slow = _calls()
     req.num_computed_tokens = _Index(40)
-    try:
+    with contextlib.suppress(TypeError):
         manager.allocate_slots(req, 1)
-    except TypeError:
-        pass
     assert _calls() == (fast, slow + 1)
 
 
@@ -660,8 +660,9 @@ def test_a_request_field_vllm_reads_and_discards_is_still_vllms_to_read(field, c
     """vLLM's allocate_slots reads the prompt length and the in-flight tokens even when
     they change nothing for this shape; of another type its arithmetic raises, and so
     does the bound one's (a breaker's finding)."""
-    from kvpool.patches.manager_fast_path import _vanilla
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from kvpool.patches.manager_fast_path import _vanilla
 
     kvpool.install()
     results = []
@@ -842,8 +843,9 @@ def test_lookups_of_odd_arguments_and_entries_get_vllm_behaviour(case):
     """Whatever vLLM's get_computed_blocks does with an odd argument, request or map
     entry (computes, raises, returns a foreign object), the bound one does the same; a
     key holding several blocks gives the first inserted."""
-    from kvpool.patches.manager_fast_path import _vanilla
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from kvpool.patches.manager_fast_path import _vanilla
 
     kvpool.install()
     vanilla = _vanilla(KVCacheManager, "get_computed_blocks")
@@ -964,9 +966,9 @@ def test_scheduler_with_native_allocate_slots_matches_vllm(caching):
 
 
 def test_native_get_block_ids_matches_vllm():
-    from kvpool.patches.manager_fast_path import _vanilla, get_block_ids_fingerprint, KNOWN_GET_BLOCK_IDS
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
+    from kvpool.patches.manager_fast_path import KNOWN_GET_BLOCK_IDS, _vanilla, get_block_ids_fingerprint
     from kvpool.vllm_compat import release_traits
 
     assert get_block_ids_fingerprint() == KNOWN_GET_BLOCK_IDS[release_traits().version]

@@ -11,8 +11,7 @@ result, vLLM's exception and vLLM's state, never a value read through fewer bits
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import kvpool
 from tests.integration.test_manager_fast_path import BLOCK_SIZE, _manager, _running, _summary

@@ -6,8 +6,8 @@ from __future__ import annotations
 import collections
 
 import kvpool
-from kvpool import _core
 from benchmarks.manager_share import TimedManager, summary
+from kvpool import _core
 from tests.support.scheduler import make_request, make_scheduler, runner_output
 
 

@@ -23,9 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvpool
-from kvpool.patches import metrics
 from kvpool.cpu_platform import cpu_environment
-
+from kvpool.patches import metrics
 from tests.support.paths import REPO
 
 HARNESS = Path(__file__).resolve().with_name("metrics_harness.py")

@@ -46,7 +46,6 @@ from pathlib import Path
 import pytest
 
 from kvpool.cpu_platform import cpu_environment
-
 from tests.support.paths import REPO
 
 # Two child processes for a few seconds at least: not for the sanitizer / debug-interpreter subsets.
@@ -115,7 +114,7 @@ class Side:
         cpu_environment(env)
         if side == "vanilla":
             env["KVPOOL_DISABLE"] = "1"  # kvpool's vLLM plugin must not install it there
-        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (the process's, closed with it)
         self.proc = subprocess.Popen(
             [sys.executable, str(HARNESS), "--side", side, "--steps", str(steps), "--seed", str(seed), *extra],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1 << 16)

@@ -17,7 +17,6 @@ import pytest
 import kvpool
 from kvpool import patching, selfcheck, vllm_compat
 from kvpool.errors import SelfCheckError
-
 from tests.integration.test_install import _START_VLLM_PROCESS
 
 
@@ -239,7 +238,8 @@ def _renamed_block_class(vanilla: type, renames: dict[str, str]) -> type:
         setattr(self, tokens_name, None)
 
     def __repr__(self):
-        return f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, {hash_name}={getattr(self, hash_name)!r})"
+        hash_value = getattr(self, hash_name)
+        return f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, {hash_name}={hash_value!r})"
 
     namespace = {
         "block_hash": property(lambda self: getattr(self, hash_name)),
@@ -387,7 +387,8 @@ def test_a_map_of_the_other_layout_is_refused_naming_it(untested, monkeypatch):
                                        "kvpool's native code reads and writes block ids")
     else:
         layout, line = _IdsLayout, ("BlockHashToBlockMap layout: vLLM's map stores int values in _cache; kvpool's "
-                                    "native code reads and writes KVCacheBlock objects (or {block_id: KVCacheBlock} dicts)")
+                                    "native code reads and writes KVCacheBlock objects "
+                                    "(or {block_id: KVCacheBlock} dicts)")
     # (vLLM's own pool builds the simulated map; kvpool's map stays built for the installed one.)
     simulated = type("BlockHashToBlockMap", (layout, vanilla_map), {"__module__": vanilla_map.__module__})
     monkeypatch.setattr(block_pool, "BlockHashToBlockMap", simulated)

@@ -22,11 +22,9 @@ import types
 MAX_K = int(os.environ.get("KVPOOL_FAULT_MAX_K", "5000"))
 
 from failmalloc_ctl import disarm, lib  # noqa: E402  (tests/native: the script's own folder)
-
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id  # noqa: E402
 
-from kvpool import _core  # noqa: E402
-from kvpool import allocation  # noqa: E402
+from kvpool import _core, allocation  # noqa: E402, F401  (_core: the extension loaded before any fault is armed)
 from kvpool._core import (  # noqa: E402
     BlockStateError,
     FencedDeferredFreeQueue,

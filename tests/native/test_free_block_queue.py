@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from vllm.v1.core import kv_cache_utils as vllm_utils
 

@@ -13,8 +13,10 @@ import weakref
 
 import pytest
 from vllm.v1.core import kv_cache_coordinator
-from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue as VllmFreeKVCacheBlockQueue
-from vllm.v1.core.kv_cache_utils import KVCacheBlock as VllmKVCacheBlock
+from vllm.v1.core.kv_cache_utils import (
+    FreeKVCacheBlockQueue as VllmFreeKVCacheBlockQueue,
+    KVCacheBlock as VllmKVCacheBlock,
+)
 
 import kvpool
 from kvpool._core import FencedDeferredFreeQueue, FreeKVCacheBlockQueue, KVCacheBlock, make_pool_blocks

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections import deque
 
 import pytest
+from vllm.v1.request import RequestStatus
 
 import kvpool
 from kvpool import FencedDeferredFreeQueue
 from kvpool.block_pool import BlockPool
-from vllm.v1.request import RequestStatus
 from tests.support.scheduler import block_ids, eviction_order, make_request, make_scheduler
 
 # The native-check scripts select by these marks (scripts/test-sanitizers.sh, test-debug-python.sh; pyproject.toml).
@@ -74,7 +74,10 @@ def _pop_results(request_id: str = "r") -> tuple[list[int], list[int], list[list
         manager = scheduler.kv_cache_manager
         groups = [[b.block_id for b in m.req_to_blocks[request_id] if not b.is_null]
                   for m in manager.coordinator.single_type_managers]
-        popped = manager.pop_blocks_for_free(request) if via_manager else manager.coordinator.pop_blocks_for_free(request_id)
+        if via_manager:
+            popped = manager.pop_blocks_for_free(request)
+        else:
+            popped = manager.coordinator.pop_blocks_for_free(request_id)
         results.append(block_ids(popped))
     return results[0], results[1], groups
 

@@ -17,8 +17,8 @@ import pytest
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 import kvpool
-from kvpool.vllm_compat import release_traits
 from kvpool.vllm_calls import POOL_SELF_CALLS
+from kvpool.vllm_compat import release_traits
 
 CASES = [(op, name) for op, names in POOL_SELF_CALLS.items() for name in names]
 NUM_BLOCKS = 24

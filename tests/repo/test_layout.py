@@ -3,6 +3,7 @@ included by _core.pyx and documented, and nothing documented or included is miss
 
 from __future__ import annotations
 
+import ast
 import re
 
 from tests.support.paths import REPO
@@ -92,3 +93,20 @@ def test_python_modules_and_functions_stay_small():
                 if length > MAX_FUNCTION_LINES:
                     too_long.append(f"{name}:{node.lineno} {node.name}(): {length} lines")
     assert not too_long, "over the limits:\n" + "\n".join(too_long)
+
+
+def test_public_exceptions_are_defined_in_errors_py():
+    """One home for errors: every public exception class of ``python/kvpool`` is defined in
+    ``kvpool/errors.py`` (the extension's in ``src/kvpool/errors.pxi``); a private one
+    (``_Name``) may live beside the code that raises it."""
+    found = []
+    for path in sorted((REPO / "python" / "kvpool").rglob("*.py")):
+        if path.name == "errors.py" and path.parent.name == "kvpool":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ClassDef) or node.name.startswith("_"):
+                continue
+            bases = {getattr(b, "id", getattr(b, "attr", "")) for b in node.bases}
+            if any(b.endswith(("Error", "Exception", "Unavailable")) or b == "KvpoolError" for b in bases):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: class {node.name}")
+    assert not found, "define these in python/kvpool/errors.py:\n" + "\n".join(found)

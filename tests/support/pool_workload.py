@@ -23,8 +23,10 @@ import random
 from collections import deque
 
 from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
-from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue as VllmFreeKVCacheBlockQueue
-from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+from vllm.v1.core.kv_cache_utils import (
+    FreeKVCacheBlockQueue as VllmFreeKVCacheBlockQueue,
+    make_block_hash_with_group_id,
+)
 
 from kvpool import BlockIdOutOfRangeError, BlockStateError, FencedDeferredFreeQueue
 from kvpool.block_pool import BlockPool

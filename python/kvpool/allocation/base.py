@@ -71,6 +71,7 @@ class AllocationPolicy:
 
         Returns:
             ``num_blocks`` blocks with ``ref_cnt = 1`` (what ``pool._take`` returns).
+
         Raises:
             ValueError: as ``BlockPool.get_new_blocks``.
         """

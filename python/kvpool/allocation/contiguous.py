@@ -97,10 +97,8 @@ class ContiguousPolicy(AllocationPolicy):
             self._next_owner = self._next_owner % 0x7FFFFFF0 + 1
         held = len(table) if table else 0
         expected = self.expected_tokens.get(request_id)
-        if expected is not None:  # prompt + max_tokens, from allocate_slots
-            growth = -(-expected // manager.block_size) - held
-        else:  # unknown: room to double, as a growing array would
-            growth = held + num_blocks
+        # prompt + max_tokens, from allocate_slots; unknown: room to double, as a growing array would
+        growth = -(-expected // manager.block_size) - held if expected is not None else held + num_blocks
         want = max(num_blocks, min(growth, self.extent_cap))
         blocks = pool._take(num_blocks, -1 if last is None else last + 1, owner, want)
         self.after_change(pool)
@@ -113,7 +111,7 @@ class ContiguousPolicy(AllocationPolicy):
         # an operation has done its work, so it never raises: each block it moves is
         # moved whole, and one it could not move (no memory) stays where vLLM serves it
         # anyway, right behind the uncached segment.
-        try:
+        try:  # noqa: SIM105 (no object allocated to handle a MemoryError: fault-swept)
             self.queue_policy(pool).absorb_unhashed_lru_front(
                 pool.cached_block_hashes_by_block, pool._reuse_watchers)
         except MemoryError:
@@ -125,7 +123,7 @@ class ContiguousPolicy(AllocationPolicy):
         # queue (only after the pool replaced it) the extents wait for the next idle
         # moment (they are preferences).
         if pool._idle():
-            try:
+            try:  # noqa: SIM105 (no object allocated to handle a MemoryError: fault-swept)
                 self._release_all(self.queue_policy(pool))
             except MemoryError:
                 pass

@@ -37,7 +37,7 @@ class VllmOrderRestoreOnIdle(VllmOrder):
         # memory is skipped (the order is only a preference; the next idle moment
         # tries again).
         if pool._idle():
-            try:
+            try:  # noqa: SIM105 (no object allocated to handle a MemoryError: fault-swept)
                 self.queue_policy(pool).rebuild_uncached_canonical()
             except MemoryError:
                 pass

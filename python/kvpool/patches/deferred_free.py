@@ -29,7 +29,7 @@ drain, so the pool sees the immediate path's calls there too.
 
 from __future__ import annotations
 
-from kvpool._core import FencedDeferredFreeQueue, FreeKVCacheBlockQueue
+from kvpool._core import FencedDeferredFreeQueue
 
 _vllm_pops = None
 

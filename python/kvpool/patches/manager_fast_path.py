@@ -61,7 +61,7 @@ import types
 from typing import Any
 
 from kvpool import allocation, envs
-from kvpool.vllm_compat import VllmRelease, release_traits
+
 # Method names the native path skips, which must not be set on the instances (listed
 # with the pool's in kvpool.vllm_calls).
 from kvpool.vllm_calls import (
@@ -74,6 +74,7 @@ from kvpool.vllm_calls import (
     POOL_NAMES as _POOL_NAMES,
     SINGLE_TYPE_NAMES as _SINGLE_TYPE_NAMES,
 )
+from kvpool.vllm_compat import VllmRelease, release_traits
 
 logger = logging.getLogger("vllm.kvpool")
 

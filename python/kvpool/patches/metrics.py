@@ -75,17 +75,17 @@ GAUGES: tuple[tuple[str, str, str, bool], ...] = (
     ("vllm:kvpool_largest_free_run_blocks", "largest_free_run",
      "Longest run of consecutive free KV cache block ids, in blocks.", False),
     ("vllm:kvpool_table_contiguity", "table_contiguity",
-     "Fraction of the adjacent pairs of the block tables freed since the previous report "
-     "whose next block id is the previous + 1.", True),
+     ("Fraction of the adjacent pairs of the block tables freed since the previous report "
+      "whose next block id is the previous + 1."), True),
     ("vllm:kvpool_descending_fraction", "descending_fraction",
-     "Fraction of the adjacent pairs of the block tables freed since the previous report "
-     "whose next block id is the previous - 1.", True),
+     ("Fraction of the adjacent pairs of the block tables freed since the previous report "
+      "whose next block id is the previous - 1."), True),
     ("vllm:kvpool_mean_run_length_blocks", "mean_run_length",
-     "Mean length, in blocks, of the ascending runs of consecutive block ids of the "
-     "request block tables freed since the previous report.", True),
+     ("Mean length, in blocks, of the ascending runs of consecutive block ids of the "
+      "request block tables freed since the previous report."), True),
     ("vllm:kvpool_mean_descriptors_per_table", "mean_descriptors_per_table",
-     "Mean KV transfer descriptors (ascending runs of consecutive block ids) per request "
-     "block table (one per KV cache group) freed since the previous report.", True),
+     ("Mean KV transfer descriptors (ascending runs of consecutive block ids) per request "
+      "block table (one per KV cache group) freed since the previous report."), True),
 )
 #: (metric name without ``_total``, help text); incremented by the pairs of each report.
 COUNTERS: tuple[tuple[str, str], ...] = (
@@ -97,8 +97,8 @@ COUNTERS: tuple[tuple[str, str], ...] = (
 #: incremented by a key's value of each report (absent from an older engine's: 0).
 TABLE_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("vllm:kvpool_table_descriptors", "table_descriptors",
-     "KV transfer descriptors of the request block tables freed: maximal runs of block ids "
-     "ascending by exactly 1 (what NIXL posts per memory region; vLLM PR #55841)."),
+     ("KV transfer descriptors of the request block tables freed: maximal runs of block ids "
+      "ascending by exactly 1 (what NIXL posts per memory region; vLLM PR #55841).")),
     ("vllm:kvpool_tables_freed", "tables_freed",
      "Request block tables freed (one per request and KV cache group, preemptions included)."),
 )

@@ -13,6 +13,7 @@ nothing, a run crashed, or a run used the wrong block pool), 3 setup failed (sdi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -26,11 +27,7 @@ from importlib import metadata
 from pathlib import Path
 
 from kvpool.tools import cliargs
-from kvpool.tools.conformance import probe
-from kvpool.tools.conformance import report as rpt
-from kvpool.tools.conformance import sdist as sd
-from kvpool.tools.conformance import suites as st
-from kvpool.tools.conformance import workdir as wd
+from kvpool.tools.conformance import probe, report as rpt, sdist as sd, suites as st, workdir as wd
 
 MODES = ("vanilla", "kvpool")
 EXIT_SETUP_FAILED = 3
@@ -148,11 +145,10 @@ class _Run:
 
     def start(self) -> None:
         self.started = time.monotonic()
-        log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            self.cmd, cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        log.close()
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                self.cmd, cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def poll(self, deadline: float) -> bool:
         """True once the process has ended (killing it past ``deadline``)."""
@@ -170,10 +166,8 @@ class _Run:
     def kill(self) -> None:
         """Kill pytest and whatever it started (its own session, see ``start``)."""
         if self.proc is not None and self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             self.proc.wait()
 
     def result(self) -> rpt.RunResult:
@@ -248,10 +242,8 @@ def _other_vllm(args: argparse.Namespace, argv: list[str]) -> int | None:
         )
         return EXIT_SETUP_FAILED
     installed = None
-    try:
+    with contextlib.suppress(metadata.PackageNotFoundError):
         installed = _vllm_version()
-    except metadata.PackageNotFoundError:
-        pass
     if installed != args.vllm_version:
         return matrix.run_version(args.vllm_version, forwarded, args.json)[0]
     return None

@@ -68,6 +68,7 @@ def run_version(version: str, forwarded: list[str], json_path: Path | None) -> t
     """Run the conformance command for ``version`` in its environment.
 
     Args:
+        version: the vLLM release (``"0.34.0"``), run in ``.venv-vllm-<version>``.
         forwarded: the command's other arguments, passed on unchanged.
         json_path: where that run writes its report (also returned, parsed).
 

@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from kvpool import vllm_compat
+from kvpool.errors import PortingError
 from kvpool.tools.conformance import porting_sources
 from kvpool.tools.conformance.porting_sources import Compared, Sources
 from kvpool.tools.conformance.sdist import cache_dir
-from kvpool.errors import PortingError
 
 #: Exit status when the report cannot be made (as ``conformance`` for a failed setup).
 EXIT_SETUP_FAILED = 3
@@ -130,8 +130,8 @@ def _environment_lines(found: dict[str, Any] | None, where: str) -> list[str]:
         return [f"environment: not probed: {where}"]
     lines = [f"environment: {where} (vLLM {found['vllm']})"]
     if found["bind_error"]:
-        return lines + [f"block classes: do NOT bind ({found['bind_error']}); install() refuses before the "
-                        "self-check", "self-check: not run", "patch modules: not tried"]
+        return lines + [(f"block classes: do NOT bind ({found['bind_error']}); install() refuses before the "
+                         "self-check"), "self-check: not run", "patch modules: not tried"]
     lines.append("block classes: bind (vLLM's and kvpool's classes import)")
     check = found["selfcheck"]
     if check["differences"]:
@@ -158,8 +158,8 @@ def format_report(version: str, against: str, compared: list[Compared], found: d
     """The report: the summary (environment, self-check, patch modules, native path,
     definitions that changed), then every diff."""
     supported = "supported" if vllm_compat.is_supported(version) else "NOT supported"
-    lines = [f"kvpool porting report: vLLM {version} ({supported}), against vLLM {against}, the nearest "
-             "release kvpool knows", ""]
+    lines = [(f"kvpool porting report: vLLM {version} ({supported}), against vLLM {against}, the nearest "
+              "release kvpool knows"), ""]
     lines += _environment_lines(found, where)
     counts = {s: sum(1 for c in compared if c.status == s) for s in ("same", "changed", "added", "removed", "absent")}
     lines += ["", f"definitions kvpool mirrors or replaces: {len(compared)} compared with {against}: "

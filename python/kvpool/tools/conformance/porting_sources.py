@@ -209,6 +209,7 @@ def download_wheel(version: str, dest: Path) -> Path:
     if proc.returncode != 0 or not cached:
         lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
         lines = [line for line in lines if line.startswith("ERROR:")] or lines
+        last = lines[-1] if lines else f"exit {proc.returncode}"
         raise PortingError(f"vLLM {version} could not be downloaded from the package index "
-                           f"(pip download --no-deps vllm=={version}: {lines[-1] if lines else f'exit {proc.returncode}'})")
+                           f"(pip download --no-deps vllm=={version}: {last})")
     return cached[0]

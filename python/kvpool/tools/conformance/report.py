@@ -293,8 +293,8 @@ def format_summary(report: dict, max_regressions: int = 50) -> str:
         f"vLLM {report['vllm']} conformance: {len(report['suites'])} suite(s)",
         f"  vanilla: {_fmt_counts(report['vanilla'])}" + (f"  [{wall['vanilla']:.0f} s]" if "vanilla" in wall else ""),
         f"  kvpool:  {_fmt_counts(report['kvpool'])}" + (f"  [{wall['kvpool']:.0f} s]" if "kvpool" in wall else ""),
-        f"  excluded: {len(report['excluded'])} entr{'y' if len(report['excluded']) == 1 else 'ies'}"
-        f" ({sum(e['matched'] or 0 for e in report['excluded'])} collected tests deselected)",
+        (f"  excluded: {len(report['excluded'])} entr{'y' if len(report['excluded']) == 1 else 'ies'}"
+         f" ({sum(e['matched'] or 0 for e in report['excluded'])} collected tests deselected)"),
     ]
     lines += _format_native_path(report)
     if report["fixed"]:

@@ -214,9 +214,8 @@ def fetch_sdist(version: str, *, index_url: str | None = None, cache: Path | Non
     target_dir = (cache or cache_dir()) / "sdists"
     target = target_dir / f"vllm-{version}.tar.gz"
     digest_file = target.with_name(target.name + ".sha256")
-    if target.is_file() and digest_file.is_file():
-        if sha256_of(target) == digest_file.read_text().strip():
-            return target
+    if target.is_file() and digest_file.is_file() and sha256_of(target) == digest_file.read_text().strip():
+        return target
     entry = find_sdist(version, index_url=index_url)
     target_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".part", dir=target_dir)

@@ -183,11 +183,11 @@ def run(
             flex = kernels.FlexPagedAttention(batch.num_requests, batch.query_len, batch.context_len,
                                               g.num_blocks, g.block_size, device)
 
-            def select(layout: str) -> Callable[[], Any]:
+            def select(layout: str, flex=flex, tables=tables, q=q) -> Callable[[], Any]:
                 flex.set_block_table(tables[layout])
                 return lambda: [flex(q, k, v) for k, v in caches]
         else:
-            def select(layout: str) -> Callable[[], Any]:
+            def select(layout: str, tables=tables, q=q, batch=batch) -> Callable[[], Any]:
                 bt = tables[layout]
                 return lambda: [kernels.reference_paged_attention(q, k, v, bt, batch.query_len, batch.context_len)
                                 for k, v in caches]

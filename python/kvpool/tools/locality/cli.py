@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=1, help="layers timed per forward, each its own K/V (default 1)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--warmup", type=int, help="untimed calls per layout and batch (cuda default 3, cpu 1)")
-    p.add_argument("--reps", type=cliargs.positive_int, help="timed calls per layout and batch (cuda default 20, cpu 7)")
+    p.add_argument("--reps", type=cliargs.positive_int,
+                   help="timed calls per layout and batch (cuda default 20, cpu 7)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=cliargs.positive_int, help="torch CPU threads (default: torch's)")
     p.add_argument("--check", action="store_true",
@@ -103,9 +104,9 @@ def render_table(report: dict[str, Any]) -> str:
     d = report["device"]
     lines = [
         f"device: {d.get('name')} ({d['type']}), torch {d['torch']}, kernel {report['kernel']}",
-        f"geometry: {g['num_blocks']} blocks x {g['block_size']} tokens, {g['num_kv_heads']} KV heads x "
-        f"{g['head_size']}, {g['num_heads']} query heads, {g['dtype']}, {g['num_layers']} layer(s); "
-        f"K+V {g['kv_bytes_per_layer'] / 2**30:.2f} GiB per layer",
+        (f"geometry: {g['num_blocks']} blocks x {g['block_size']} tokens, {g['num_kv_heads']} KV heads x "
+         f"{g['head_size']}, {g['num_heads']} query heads, {g['dtype']}, {g['num_layers']} layer(s); "
+         f"K+V {g['kv_bytes_per_layer'] / 2**30:.2f} GiB per layer"),
     ]
     head = ("batch", "layout", "median ms", "vs canonical", "IQR ms", "contiguity", "mean run")
     rows = []
@@ -156,7 +157,8 @@ def figure(report: dict[str, Any]):
         x = range(len(rows))
         med = [r["median_s"] * 1e3 for r in rows]
         err = [[(r["median_s"] - r["q1_s"]) * 1e3 for r in rows], [(r["q3_s"] - r["median_s"]) * 1e3 for r in rows]]
-        ax.bar(x, med, yerr=err, capsize=3, color=["tab:green" if r["layout"] == "canonical" else "tab:grey" for r in rows])
+        colors = ["tab:green" if r["layout"] == "canonical" else "tab:grey" for r in rows]
+        ax.bar(x, med, yerr=err, capsize=3, color=colors)
         for i, r in enumerate(rows):
             if r["ratio_vs_canonical"] is not None:
                 # Above the whisker, not through it.

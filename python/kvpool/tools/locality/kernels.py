@@ -38,7 +38,8 @@ Q_BLOCK_SIZE = 16
 def _check_shapes(query: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                   query_len: int, context_len: int) -> tuple[int, int, int, int, int, int]:
     if k_cache.dim() != 4:
-        raise ValueError(f"k_cache must be [num_blocks, block_size, num_kv_heads, head_size], got {tuple(k_cache.shape)}")
+        raise ValueError("k_cache must be [num_blocks, block_size, num_kv_heads, head_size], "
+                         f"got {tuple(k_cache.shape)}")
     num_blocks, block_size, num_kv_heads, head_size = k_cache.shape
     num_requests, blocks_per_request = block_table.shape
     if not 1 <= query_len <= context_len:
@@ -46,7 +47,8 @@ def _check_shapes(query: torch.Tensor, k_cache: torch.Tensor, block_table: torch
     if blocks_per_request * block_size < context_len:
         raise ValueError(f"{blocks_per_request} blocks of {block_size} tokens cannot hold {context_len} tokens")
     if query.dim() != 3 or query.shape[0] != num_requests * query_len or query.shape[2] != head_size:
-        raise ValueError(f"query must be [{num_requests * query_len}, num_heads, {head_size}], got {tuple(query.shape)}")
+        raise ValueError(f"query must be [{num_requests * query_len}, num_heads, {head_size}], "
+                         f"got {tuple(query.shape)}")
     if query.shape[1] % num_kv_heads:
         raise ValueError(f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
     return num_blocks, block_size, num_kv_heads, head_size, num_requests, blocks_per_request
@@ -169,7 +171,8 @@ class FlexPagedAttention:
         dev = self.device
         # Request of each query token; padded rows point at the last request (never read).
         self.doc_ids = torch.full((self.num_q_groups * Q_BLOCK_SIZE,), num_requests - 1, dtype=torch.int32, device=dev)
-        self.doc_ids[:num_tokens] = torch.arange(num_requests, dtype=torch.int32, device=dev).repeat_interleave(query_len)
+        requests = torch.arange(num_requests, dtype=torch.int32, device=dev)
+        self.doc_ids[:num_tokens] = requests.repeat_interleave(query_len)
         self.q_start = torch.arange(num_requests, dtype=torch.int32, device=dev) * query_len
         self.physical_to_logical = torch.full((num_requests, num_blocks), -1, dtype=torch.int32, device=dev)
         self.kv_indices = torch.zeros((1, 1, self.num_q_groups, width), dtype=torch.int32, device=dev)

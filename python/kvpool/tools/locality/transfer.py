@@ -34,6 +34,7 @@ from typing import Any
 
 from kvpool.tools import cliargs
 from kvpool.tools.locality.replay_tables import decode_runs, encode_runs
+
 # The copies a table costs: (first block id, blocks) per run of ids ascending by 1, null
 # blocks dropped (kvpool.tools.replay.metrics, which imports neither vLLM nor numpy).
 from kvpool.tools.replay.metrics import descriptor_runs as descriptors
@@ -115,6 +116,7 @@ def measure(tables: dict[str, list[list[int]]], *, device: str, layers: int, blo
         ``{"geometry": ..., "modes": {mode: {"prompts", "blocks", "descriptors",
         "copies", "bytes", "median_s", "times_s", "gbps", "ratio_vs_first"}}}``; times
         in seconds, bytes per repetition, ``gbps`` = bytes / median / 1e9.
+
     Raises:
         RuntimeError: a mode's copies did not put its last prompt's blocks, in table
             order, into the host buffer (checked once per mode, before timing).
@@ -177,10 +179,10 @@ def measure(tables: dict[str, list[list[int]]], *, device: str, layers: int, blo
 
 def render(report: dict[str, Any]) -> str:
     g = report["geometry"]
-    lines = [f"transfer: {g['device']}, {g['layers']} layer(s) x K/V, {g['block_bytes_per_layer']:,} bytes "
-             f"per block and layer, one copy_ per descriptor (device -> pinned host; checked)",
-             f"{'mode':<26}{'prompts':>8}{'blocks':>9}{'descriptors':>12}{'copies':>10}{'median ms':>11}"
-             f"{'GB/s':>8}{'vs first':>9}"]
+    lines = [(f"transfer: {g['device']}, {g['layers']} layer(s) x K/V, {g['block_bytes_per_layer']:,} bytes "
+              f"per block and layer, one copy_ per descriptor (device -> pinned host; checked)"),
+             (f"{'mode':<26}{'prompts':>8}{'blocks':>9}{'descriptors':>12}{'copies':>10}{'median ms':>11}"
+              f"{'GB/s':>8}{'vs first':>9}")]
     for mode, r in report["modes"].items():
         lines.append(f"{mode:<26}{r['prompts']:>8}{r['blocks']:>9}{r['descriptors']:>12}{r['copies']:>10}"
                      f"{r['median_s'] * 1e3:>11.2f}{r['gbps'] or 0:>8.2f}{r['ratio_vs_first']:>9.3f}")

@@ -14,13 +14,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvpool.tools import cliargs
 from kvpool.cpu_platform import cpu_environment
+from kvpool.tools import cliargs
 from kvpool.tools.replay import report
 from kvpool.tools.replay.compare import compare
 from kvpool.tools.replay.engine import PoolSpec
-from kvpool.tools.replay.modes import MODES
-from kvpool.tools.replay.modes import get as get_mode
+from kvpool.tools.replay.modes import MODES, get as get_mode
 from kvpool.tools.replay.results import RunConfig
 from kvpool.tools.replay.traces import from_trace, truncate_rounds
 from kvpool.tools.replay.workloads import WORKLOADS, Workload

@@ -144,7 +144,8 @@ def replay_vllm_config(workload: Workload, pool: PoolSpec):
     eng = workload.engine
     max_model_len = workload.max_model_len()
     native_len = _native_context_len(eng.model)
-    overrides = {"max_position_embeddings": max_model_len} if native_len is not None and max_model_len > native_len else {}
+    longer = native_len is not None and max_model_len > native_len
+    overrides = {"max_position_embeddings": max_model_len} if longer else {}
     model_config = ModelConfig(model=eng.model, dtype="bfloat16", seed=0, skip_tokenizer_init=True,
                                max_model_len=max_model_len, hf_overrides=overrides)
     max_num_batched_tokens = eng.max_num_batched_tokens or max_model_len
@@ -274,6 +275,9 @@ def make_request(request_id: str, prompt_token_ids: list[int], *, max_tokens: in
     """A ``vllm.v1.request.Request`` hashed by ``hasher`` (:func:`block_hasher`).
 
     Args:
+        request_id: the request's id.
+        prompt_token_ids: the prompt, token ids.
+        hasher: the block hasher (:func:`block_hasher`) for the engine's block size.
         max_tokens: output tokens at most.
         stop_token_ids: the request ends when one is sampled (the replay's requests,
             like an EOS).

@@ -22,7 +22,14 @@ from typing import Any
 
 from kvpool.tools.replay import metrics
 from kvpool.tools.replay.engine import PoolSpec, RequestFactory, stand_in_model
-from kvpool.tools.replay.probe import RoundProbe, by_request_index, cache_counts, group_kinds, primary_group, table_digest
+from kvpool.tools.replay.probe import (
+    RoundProbe,
+    by_request_index,
+    cache_counts,
+    group_kinds,
+    primary_group,
+    table_digest,
+)
 from kvpool.tools.replay.results import DrainResult, RoundResult
 from kvpool.tools.replay.workloads import Workload
 
@@ -81,7 +88,7 @@ class Stepper:
             self.copies_per_step.append((blocks, copies))
 
     def schedule(self) -> tuple[Any, float]:
-        """``(scheduler_output, CPU seconds of schedule())``. Starts a step: the blocks
+        """Return ``(scheduler_output, CPU seconds of the call)``. Starts a step: the blocks
         cached before it (the previous step's ``update_from_output``) close the last."""
         self.end_step()
         probe = self.probe

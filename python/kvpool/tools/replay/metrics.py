@@ -143,6 +143,7 @@ def sorted_descriptors(block_ids: Sequence[int], null_block_id: int = NULL_BLOCK
     Args:
         block_ids: physical block ids in logical (table) order; null (``null_block_id``)
             and negative ids are dropped, as in :func:`transfer_descriptors`.
+        null_block_id: the null block's id, which posts nothing.
 
     Returns:
         Number of descriptors of the ascending order (0 for no transferable block).

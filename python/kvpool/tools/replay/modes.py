@@ -18,7 +18,6 @@ policy is read when a pool is created, so each kvpool mode reinstalls kvpool.
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass

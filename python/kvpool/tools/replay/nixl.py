@@ -31,19 +31,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvpool.errors import NixlTransferError, NixlUnavailable
+
 #: The command that installs what ``--nixl`` needs (NIXL 1.5.1 without CUDA's packages).
 INSTALL = "pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1"
 
 #: The backend the agents use: the only one that moves DRAM to DRAM between two agents.
 BACKEND = "UCX"
-
-
-class NixlUnavailable(RuntimeError):
-    """NIXL cannot be imported here (the message names the install command)."""
-
-
-class NixlTransferError(RuntimeError):
-    """A transfer failed, timed out, or moved bytes other than the prefill side's."""
 
 
 @dataclass(frozen=True)

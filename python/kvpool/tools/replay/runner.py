@@ -14,8 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
-from kvpool.tools.replay import metrics
-from kvpool.tools.replay import modes as _modes
+from kvpool.tools.replay import metrics, modes as _modes
 from kvpool.tools.replay.engine import PoolSpec, build_scheduler
 from kvpool.tools.replay.loop import iter_stream, run_round
 from kvpool.tools.replay.modes import Mode, ModeUnavailable
