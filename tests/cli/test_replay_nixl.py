@@ -9,6 +9,7 @@ failure paths (a transfer that never completes, bytes that differ), and the CLI 
 from __future__ import annotations
 
 import inspect
+import os
 import random
 from types import SimpleNamespace
 
@@ -150,13 +151,20 @@ def test_a_pd_replay_through_nixl():
 
 @pytest.fixture
 def in_process_cli(monkeypatch):
-    """The replay's ``main`` in this process: the logging level it sets for its own
-    process (``VLLM_LOGGING_LEVEL``) is restored afterwards, so later subprocesses of the
-    suite still see vLLM's info lines."""
-    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
+    """The replay's ``main`` in this process; the environment must be as it was after each
+    call (``main`` sets vLLM's platform and log level for its run and puts them back), so
+    later subprocesses of the suite still see vLLM's info lines."""
     from kvpool.tools.replay.cli import main
 
-    return main
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)  # main sets it for its run
+
+    def checked(argv):
+        before = dict(os.environ)
+        rc = main(argv)
+        assert dict(os.environ) == before, "python -m kvpool replay's main left the environment changed"
+        return rc
+
+    return checked
 
 
 def test_without_nixl_the_cli_names_the_install_command(monkeypatch, capsys, in_process_cli):

@@ -315,10 +315,24 @@ def _resolve(args: argparse.Namespace, wl: Workload):
 def main(args: argparse.Namespace | list[str] | None = None) -> int:
     """``python -m kvpool replay``: parse (``args`` a list, or ``None`` for
     ``sys.argv``; a parsed namespace as is), run every mode, write and render the report.
+    The environment variables the run sets (vLLM's platform and log level, NIXL's
+    transport) are put back as they were when it returns, for in-process callers.
 
     Returns:
         0; 1 when a requested mode was skipped; 2 on a bad workload or a failed run.
     """
+    saved = dict(os.environ)
+    try:
+        return _main(args)
+    finally:
+        for name in set(os.environ) - set(saved):
+            del os.environ[name]
+        for name, value in saved.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
+
+
+def _main(args: argparse.Namespace | list[str] | None) -> int:
     argv = sys.argv[2:] if args is None else args
     if not isinstance(args, argparse.Namespace):
         args = build_parser().parse_args(argv)
