@@ -22,6 +22,7 @@ from typing import Any
 
 from kvpool.replay import metrics
 from kvpool.replay.engine import PoolSpec, RequestFactory, stand_in_model
+from kvpool.replay.free_order import free_queue_figures
 from kvpool.replay.probe import RoundProbe, by_request_index, cache_counts, group_kinds, primary_group, table_digest
 from kvpool.replay.results import DrainResult, RoundResult
 from kvpool.replay.workloads import Workload
@@ -186,12 +187,14 @@ def _group_stats(stepper: Stepper, probe: RoundProbe) -> dict[str, Any]:
     if not stepper.prompt_by_group:
         return {}
     out = []
+    queue_digest, orders = free_queue_figures(stepper.scheduler, probe.finished_by_group, stepper.null_block_id)
     for g, kind in enumerate(group_kinds(stepper.scheduler)):
         prompts, finished = stepper.prompt_by_group[g], probe.finished_by_group[g]
         figures = metrics.group_figures([prompts[r] for r in sorted(prompts)], [finished[r] for r in sorted(finished)],
                                         stepper.null_block_id)
-        out.append({"group": g, "kind": kind, "block_size": stepper.group_block_sizes[g], **figures})
-    return {"by_group": out}
+        out.append({"group": g, "kind": kind, "block_size": stepper.group_block_sizes[g], **figures,
+                    "table_digest": table_digest(prompts, finished), **orders[g]})
+    return {"by_group": out, "free_queue_digest": queue_digest}
 
 
 def _saved_tables(prompt_tables: dict[str, list[int]], finished_tables: dict[str, list[int]]) -> dict:
