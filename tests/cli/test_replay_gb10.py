@@ -109,3 +109,17 @@ def test_the_shipped_48_layer_config_gives_fewer_blocks_of_the_same_size():
     assert r["layers"] == 48 and all(g["layers"] == 12 for g in geo["groups"])
     assert _attention(geo)["block_size"] == 1056
     assert geo["num_blocks"] == KV_BYTES // (1056 * 2048 * 12) == 2183
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", MAMBA, "--hf-overrides", "[40]"], "expected a JSON object"),
+    (["--model", MAMBA, "--hf-overrides", "{num_hidden_layers: 40}"], "expected a JSON object"),
+    (["--hf-overrides", '{"num_hidden_layers": 40}'], "--hf-overrides needs --model"),
+    (["--workload", "long-sequential", "--max-model-len", "66560"], "not longer than the workload's longest"),
+])
+def test_bad_overrides_and_context_lengths_are_clear_errors(argv, message, tmp_path, capsys):
+    from kvpool.replay import cli as replay_cli
+
+    with pytest.raises(SystemExit) as exc:
+        replay_cli.main([*argv, "--json", str(tmp_path / "r.json"), "--no-plot"])
+    assert message in str(exc.value) + capsys.readouterr().err
