@@ -142,7 +142,8 @@ def _stalled(where: str, steps: int, scheduler, pool: PoolSpec, what: str) -> Ru
     return RuntimeError(
         f"{where}: the scheduler made no progress for {steps} steps with "
         f"{len(scheduler.waiting)} request(s) waiting; the pool ({pool.num_blocks} blocks of "
-        f"{pool.block_size} tokens) is too small for this {what}. Raise --num-blocks.")
+        f"{pool.smallest_block} tokens{'' if pool.smallest_block == pool.block_size else ' or more'}) is too small "
+        f"for this {what}. Raise --num-blocks{' or --kv-memory-gib' if pool.resolved else ''}.")
 
 
 def _table_stats(ptables: list[list[int]], ftables: list[list[int]]) -> dict[str, Any]:
