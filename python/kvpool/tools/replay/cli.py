@@ -34,6 +34,18 @@ def _range(text: str) -> tuple[int, int]:
     return parts[0], parts[1]
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _known_mode(name: str) -> bool:
     try:
         get_mode(name)
@@ -48,7 +60,7 @@ def _modes(text: str) -> tuple[str, ...]:
     if bad or not modes:
         what = f"unknown mode(s) {bad}" if bad else f"no mode in {text!r}"
         raise argparse.ArgumentTypeError(
-            f"{what}; choose from {','.join(MODES)} or kvpool+contiguous+wW (W blocks > 0)")
+            f"{what}; choose from {','.join(MODES)}, vanilla+immediate-order or kvpool+contiguous+wW (W blocks > 0)")
     return modes
 
 
@@ -86,7 +98,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", metavar="FILE.jsonl",
                    help="replay a JSON-lines trace instead of a built-in workload (docs/replay.md)")
     p.add_argument("--modes", type=_modes, default=MODES,
-                   help=f"comma-separated subset of {','.join(MODES)} (default: all)")
+                   help=f"comma-separated subset of {','.join(MODES)} (default: all), plus vanilla+immediate-order "
+                   "(the reference of deferred frees) or kvpool+contiguous+wW")
     p.add_argument("--rounds", type=cliargs.positive_int, help="number of rounds (trace: keep the first N)")
     p.add_argument("--window-steps", type=cliargs.positive_int, metavar="N",
                    help="serving and continuous traces: engine steps per round (default 1000)")
@@ -96,6 +109,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="the model whose KV cache the scheduler gets, resolved by vLLM's own code (groups, specs, "
                    f"block sizes, blocks; docs/replay.md, 'Model shapes'): one of {', '.join(_models())}. "
                    "Default: the workload's model (Qwen/Qwen3-0.6B) with one hand-built full-attention group")
+    p.add_argument("--hf-overrides", type=_json_object, metavar="JSON",
+                   help="with --model: vLLM's --hf-overrides for the shipped config, a JSON object, e.g. "
+                   "'{\"num_hidden_layers\": 40}' (docs/replay.md, 'The GB10 case')")
+    p.add_argument("--max-model-len", type=cliargs.positive_int, metavar="N",
+                   help="vLLM's --max-model-len (default: the workload's longest request, rounded up to 1024); "
+                   "with --model it sizes a Mamba group's block when prefix caching is off")
     p.add_argument("--kv-memory-gib", type=cliargs.positive_float, metavar="X",
                    help="with --model: KV cache memory in GiB, which vLLM divides into blocks "
                    "(default: --num-blocks blocks)")
@@ -155,10 +174,17 @@ def make_workload(args: argparse.Namespace) -> Workload:
                 raise SystemExit(f"replay: --{key.replace('_', '-')} applies to --workload serving and traces")
             kwargs[key] = value
         wl = WORKLOADS[args.workload](**kwargs)
-    if getattr(args, "model", None):
-        wl = replace(wl, engine=replace(wl.engine, model=args.model))
+    engine_args = {"model": getattr(args, "model", None), "hf_overrides": getattr(args, "hf_overrides", None),
+                   "max_model_len": getattr(args, "max_model_len", None)}
+    engine_args = {k: v for k, v in engine_args.items() if v is not None}
+    if engine_args:
+        longest = max((r.prompt_len + r.output_len for r in wl.requests), default=0)
+        if engine_args.get("max_model_len", longest + 1) <= longest:
+            raise SystemExit(f"replay: --max-model-len {args.max_model_len} is not longer than the workload's "
+                             f"longest request ({longest} tokens)")
+        wl = replace(wl, engine=replace(wl.engine, **engine_args))
         if wl.prefill is not None:  # P/D: both sides
-            wl.prefill = replace(wl.prefill, engine=replace(wl.prefill.engine, model=args.model))
+            wl.prefill = replace(wl.prefill, engine=replace(wl.prefill.engine, **engine_args))
     if args.prefix_caching is not None:
         on = args.prefix_caching == "on"
         wl = replace(wl, engine=replace(wl.engine, enable_prefix_caching=on))
@@ -297,6 +323,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if getattr(args, "model", None) is None:
         if getattr(args, "kv_memory_gib", None) is not None:
             parser.error("--kv-memory-gib needs --model (the default model's pool is --num-blocks x --block-size)")
+        if getattr(args, "hf_overrides", None) is not None:
+            parser.error("--hf-overrides needs --model (the default model's pool is built by hand)")
     elif args.model not in _models():
         parser.error(f"argument --model: kvpool ships no config for {args.model!r}; choose from {', '.join(_models())}")
     if args.save_tables and not args.json:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpool.tools.replay.free_order import versus_immediate_order
 from kvpool.tools.replay.results import ModeComparison, VersusVanilla
 
 #: ``VersusVanilla`` fields: rounds in which these per-round fields equal vanilla's.
@@ -120,6 +121,8 @@ def compare(results: dict[str, Any]) -> dict[str, Any]:
         if base is not None and mode != "vanilla":
             entry.vs_vanilla = _versus(rounds, base, entry)
         out[mode] = entry
+    for mode, versus in versus_immediate_order(modes).items():
+        out[mode].vs_immediate_order = versus
     ref = out["kvpool"].sched_cpu_s_per_step if "kvpool" in out else None
     for mode, entry in out.items():
         if mode != "kvpool" and ref:

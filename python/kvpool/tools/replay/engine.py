@@ -39,7 +39,10 @@ class PoolSpec:
     scheduler's are vLLM's own (:func:`.geometry.resolve`): ``num_blocks`` and
     ``block_size`` are what it resolved (the scheduler's block size), ``hash_block_size``
     the request hash block size, ``user_block_size`` the ``--block-size`` given (``None``:
-    the attention backend's preferred one).
+    the attention backend's preferred one), ``group_block_size`` the smallest KV cache
+    group's block size (the scheduler's is their LCM: with a Mamba group in
+    ``mamba_cache_mode="none"``, whose block is ``max_model_len`` tokens, it can be millions
+    of tokens).
     """
 
     num_blocks: int = 85_000
@@ -47,6 +50,12 @@ class PoolSpec:
     resolved: bool = False
     hash_block_size: int | None = None
     user_block_size: int | None = None
+    group_block_size: int | None = None
+
+    @property
+    def smallest_block(self) -> int:
+        """Tokens in the smallest block any KV cache group allocates."""
+        return self.group_block_size or self.block_size
 
     @property
     def hash_size(self) -> int:
@@ -137,15 +146,17 @@ def _has_mamba_layers(model_config) -> bool:
 
 def replay_vllm_config(workload: Workload, pool: PoolSpec):
     """The ``VllmConfig`` a workload runs with: its ``EngineSpec``, the model config
-    kvpool ships (no weights), ``max_position_embeddings`` raised when the workload needs
-    a longer context (only the scheduler's length checks read it)."""
+    kvpool ships (no weights) with the workload's ``hf_overrides`` (vLLM's ``--hf-overrides``),
+    ``max_position_embeddings`` raised when the workload needs a longer context (only the
+    scheduler's length checks read it)."""
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 
     eng = workload.engine
     max_model_len = workload.max_model_len()
     native_len = _native_context_len(eng.model)
-    longer = native_len is not None and max_model_len > native_len
-    overrides = {"max_position_embeddings": max_model_len} if longer else {}
+    overrides = dict(eng.hf_overrides or {})
+    if native_len is not None and max_model_len > native_len:
+        overrides.setdefault("max_position_embeddings", max_model_len)
     model_config = ModelConfig(model=eng.model, dtype="bfloat16", seed=0, skip_tokenizer_init=True,
                                max_model_len=max_model_len, hf_overrides=overrides)
     max_num_batched_tokens = eng.max_num_batched_tokens or max_model_len
@@ -248,7 +259,8 @@ def resolve_pool(workload: Workload, *, kv_memory_bytes: int | None, num_blocks:
                       num_blocks=None if kv_memory_bytes is not None else num_blocks,
                       user_block_size=user_block_size)
     pool = PoolSpec(num_blocks=geo.num_blocks, block_size=geo.block_size, resolved=True,
-                    hash_block_size=geo.hash_block_size, user_block_size=user_block_size)
+                    hash_block_size=geo.hash_block_size, user_block_size=user_block_size,
+                    group_block_size=min(g["block_size"] for g in geo.groups))
     return pool, geo
 
 

@@ -25,8 +25,9 @@ without a model or a device (``python -m kvpool replay --model NAME``):
    ``get_kv_cache_configs`` over the specs with the KV memory (or
    ``num_gpu_blocks_override``), ``generate_scheduler_kv_cache_config``,
    ``cache_config.block_size`` from the groups, and ``resolve_kv_cache_block_sizes``
-   (the scheduler's block size and the request hash block size), as
-   ``EngineCore._initialize_kv_caches`` and ``EngineCore.__init__`` do
+   (the scheduler's block size and the request hash block size), and the capacity vLLM
+   logs (``get_kv_cache_capacity``), as ``EngineCore._initialize_kv_caches`` and
+   ``EngineCore.__init__`` do
    (``vllm/v1/engine/core.py``, ``vllm/v1/core/kv_cache_planning.py``, 0.34.0).
 
 vLLM is imported inside the functions (see :mod:`.engine`).
@@ -61,6 +62,11 @@ class KvGeometry:
             ``sliding_window`` / ``mamba_cache_mode`` where they apply.
         kv_memory_bytes: the KV memory the pool was sized from (``None`` when the
             block count was given: ``num_gpu_blocks_override``).
+        kv_cache_size_tokens: the capacity vLLM logs as "GPU KV cache size: N tokens" and
+            reports as ``kv_cache_size_tokens`` (``get_kv_cache_capacity``: ``max_model_len``
+            times the requests of ``max_model_len`` tokens the blocks hold, every group's
+            blocks per request counted).
+        max_concurrency: those requests (float).
     """
 
     model: str
@@ -75,6 +81,8 @@ class KvGeometry:
     #: The scheduler's ``enable_chunked_prefill`` (vLLM requires it for Mamba prefix
     #: caching, so a Mamba model's replay turns it on: :func:`.engine.replay_vllm_config`).
     chunked_prefill: bool | None = None
+    kv_cache_size_tokens: int | None = None
+    max_concurrency: float | None = None
     #: The scheduler's ``KVCacheConfig`` (not in the JSON).
     kv_cache_config: Any = field(default=None, repr=False)
 
@@ -83,6 +91,7 @@ class KvGeometry:
                 "hash_block_size": self.hash_block_size, "num_blocks": self.num_blocks,
                 "kv_memory_bytes": self.kv_memory_bytes, "mamba_cache_mode": self.mamba_cache_mode,
                 "mamba_block_size": self.mamba_block_size, "chunked_prefill": self.chunked_prefill,
+                "kv_cache_size_tokens": self.kv_cache_size_tokens, "max_concurrency": self.max_concurrency,
                 "groups": self.groups}
 
     def describe(self) -> str:
@@ -95,9 +104,14 @@ def describe(geometry: dict[str, Any]) -> str:
     KV cache group (kind, layers, block size, page bytes, window or Mamba cache mode)."""
     g = geometry
     memory = g.get("kv_memory_bytes")
+    sizes = sorted({grp["block_size"] for grp in g["groups"]})
+    lcm = " (the LCM of the groups')" if len(sizes) > 1 else ""
+    tokens = g.get("kv_cache_size_tokens")
     lines = [f"KV cache geometry resolved by vLLM ({g['model']}, {g['backend']} layout): {g['num_blocks']} blocks, "
-             f"scheduler block size {g['block_size']} tokens, hash block size {g['hash_block_size']}"
-             + ("" if memory is None else f", {memory / GIB:.3g} GiB of KV")
+             f"scheduler block size {g['block_size']} tokens{lcm}, hash block size {g['hash_block_size']}"
+             + ("" if memory is None else f", {memory / GIB:.4g} GiB of KV")
+             + ("" if tokens is None else f", KV cache size {tokens:,} tokens "
+                f"(max concurrency {g['max_concurrency']:.2f}x)")
              + ("" if g.get("mamba_cache_mode") is None else
                 f", mamba_cache_mode {g['mamba_cache_mode']!r}, mamba_block_size {g['mamba_block_size']}, "
                 f"chunked prefill {'on' if g.get('chunked_prefill') else 'off'}")]
@@ -252,7 +266,11 @@ def resolve(vllm_config, *, kv_memory_bytes: int | None = None, num_blocks: int 
     try:
         from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
         from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-        from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, resolve_kv_cache_block_sizes
+        from vllm.v1.core.kv_cache_utils import (
+            generate_scheduler_kv_cache_config,
+            get_kv_cache_capacity,
+            resolve_kv_cache_block_sizes,
+        )
         from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     except ImportError as e:  # (the planning API of vLLM 0.34.0)
         import vllm
@@ -281,6 +299,7 @@ def resolve(vllm_config, *, kv_memory_bytes: int | None = None, num_blocks: int 
     sizes = [g.kv_cache_spec.block_size for g in sched.kv_cache_groups if g.kv_cache_spec.prefix_cacheable]
     cc.block_size = min(sizes or [g.kv_cache_spec.block_size for g in sched.kv_cache_groups])
     block_size, hash_block_size = resolve_kv_cache_block_sizes(sched, vllm_config)
+    tokens, concurrency = get_kv_cache_capacity(vllm_config, sched)
     has_mamba = any(hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in sched.kv_cache_groups)
     return KvGeometry(
         model=vllm_config.model_config.model, backend=BACKEND, block_size=block_size,
@@ -288,4 +307,5 @@ def resolve(vllm_config, *, kv_memory_bytes: int | None = None, num_blocks: int 
         groups=[_group_json(g) for g in sched.kv_cache_groups], kv_memory_bytes=kv_memory_bytes,
         mamba_cache_mode=cc.mamba_cache_mode if has_mamba else None,
         mamba_block_size=cc.mamba_block_size if has_mamba else None,
-        chunked_prefill=bool(vllm_config.scheduler_config.enable_chunked_prefill), kv_cache_config=sched)
+        chunked_prefill=bool(vllm_config.scheduler_config.enable_chunked_prefill),
+        kv_cache_size_tokens=int(tokens), max_concurrency=float(concurrency), kv_cache_config=sched)

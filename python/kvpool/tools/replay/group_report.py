@@ -42,6 +42,17 @@ def group_rows(modes: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def pool_text(cfg: dict[str, Any]) -> str:
+    """``"pool N blocks x B tokens"``; with KV cache groups of several block sizes
+    (``--model``), their sizes and the scheduler's (their LCM), which no group allocates."""
+    geometry = cfg.get("kv_cache_geometry") or {}
+    sizes = sorted({g["block_size"] for g in geometry.get("groups", [])})
+    if len(sizes) > 1:
+        return (f"pool {cfg['num_blocks']} blocks of {' / '.join(map(str, sizes))} tokens by KV cache group "
+                f"(scheduler block size {cfg['block_size']})")
+    return f"pool {cfg['num_blocks']} blocks x {cfg['block_size']} tokens"
+
+
 def render(report: dict[str, Any], modes: dict[str, Any], console) -> None:
     """Print the resolved geometry and the per-group table (nothing for a run without
     ``--model``)."""

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvpool.tools.replay import metrics
 from kvpool.tools.replay.engine import PoolSpec, RequestFactory, stand_in_model
+from kvpool.tools.replay.free_order import free_queue_figures
 from kvpool.tools.replay.probe import (
     RoundProbe,
     by_request_index,
@@ -148,7 +149,8 @@ def _stalled(where: str, steps: int, scheduler, pool: PoolSpec, what: str) -> Ru
     return RuntimeError(
         f"{where}: the scheduler made no progress for {steps} steps with "
         f"{len(scheduler.waiting)} request(s) waiting; the pool ({pool.num_blocks} blocks of "
-        f"{pool.block_size} tokens) is too small for this {what}. Raise --num-blocks.")
+        f"{pool.smallest_block} tokens{'' if pool.smallest_block == pool.block_size else ' or more'}) is too small "
+        f"for this {what}. Raise --num-blocks{' or --kv-memory-gib' if pool.resolved else ''}.")
 
 
 def _table_stats(ptables: list[list[int]], ftables: list[list[int]]) -> dict[str, Any]:
@@ -193,12 +195,14 @@ def _group_stats(stepper: Stepper, probe: RoundProbe) -> dict[str, Any]:
     if not stepper.prompt_by_group:
         return {}
     out = []
+    queue_digest, orders = free_queue_figures(stepper.scheduler, probe.finished_by_group, stepper.null_block_id)
     for g, kind in enumerate(group_kinds(stepper.scheduler)):
         prompts, finished = stepper.prompt_by_group[g], probe.finished_by_group[g]
         figures = metrics.group_figures([prompts[r] for r in sorted(prompts)], [finished[r] for r in sorted(finished)],
                                         stepper.null_block_id)
-        out.append({"group": g, "kind": kind, "block_size": stepper.group_block_sizes[g], **figures})
-    return {"by_group": out}
+        out.append({"group": g, "kind": kind, "block_size": stepper.group_block_sizes[g], **figures,
+                    "table_digest": table_digest(prompts, finished), **orders[g]})
+    return {"by_group": out, "free_queue_digest": queue_digest}
 
 
 def _saved_tables(prompt_tables: dict[str, list[int]], finished_tables: dict[str, list[int]]) -> dict:

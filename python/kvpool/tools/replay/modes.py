@@ -7,6 +7,10 @@
   on the scheduler, else the KV cache manager, else its block pool, whichever has it.
 - ``kvpool+contiguous``: ``kvpool.install(allocation="contiguous")``: kvpool's
   contiguity-keeping allocation policy, no reset-time reorder.
+- ``vanilla+immediate-order`` (not in the default set): vLLM's own classes, a deferred
+  request's frees made as the immediate path's calls, one reversed ``free_blocks`` per
+  KV cache group, when vLLM's drain frees them: the reference kvpool's deferred frees
+  are checked against (:mod:`.free_order`).
 - ``kvpool+contiguous+wW`` (W a whole number > 0, e.g. ``kvpool+contiguous+w64``; not
   in the default set): ``kvpool.install(allocation="contiguous", lru_window=W)``, the
   policy's opt-in relaxation of vLLM's LRU (hits and evictions may then differ from
@@ -35,12 +39,15 @@ class Mode:
         reorder: call ``reset_free_block_queue_order()`` after each
             ``reset_prefix_cache()`` between rounds.
         lru_window: ``kvpool.install(lru_window=...)`` (blocks; 0: vLLM's exact LRU).
+        defer_by_group: vLLM's classes, deferred frees as the immediate path's calls
+            (:func:`.free_order.defer_by_group`).
     """
 
     name: str
     allocation: str | None = None
     reorder: bool = False
     lru_window: int = 0
+    defer_by_group: bool = False
 
     @property
     def uses_kvpool(self) -> bool:
@@ -57,7 +64,9 @@ CONTIGUOUS = Mode("kvpool+contiguous", allocation="contiguous")
 ALL_MODES = (VANILLA, KVPOOL, REORDER, CONTIGUOUS)
 #: The mode names, in the order a run takes them by default.
 MODES = tuple(m.name for m in ALL_MODES)
-_BY_NAME = {m.name: m for m in ALL_MODES}
+#: The reference of deferred frees (asked for by name).
+IMMEDIATE_ORDER = Mode("vanilla+immediate-order", defer_by_group=True)
+_BY_NAME = {m.name: m for m in (*ALL_MODES, IMMEDIATE_ORDER)}
 
 
 def get(mode: str | Mode) -> Mode:
@@ -77,7 +86,8 @@ def get(mode: str | Mode) -> Mode:
         window = mode[len(prefix):]
         if window.isascii() and window.isdigit() and 0 < int(window) < 2**31 and window[0] != "0":
             return Mode(mode, allocation="contiguous", lru_window=int(window))
-    raise ValueError(f"unknown mode {mode!r}; choose from {MODES} or {prefix}W (W blocks > 0)")
+    raise ValueError(f"unknown mode {mode!r}; choose from {MODES}, {IMMEDIATE_ORDER.name} "
+                     f"or {prefix}W (W blocks > 0)")
 
 
 def _kvpool_api():
@@ -171,6 +181,10 @@ def build_for_mode(mode: Mode, build: Callable[[], object]):
     if not mode.uses_kvpool and kvpool_installed():
         restore_vanilla()
         scheduler = build()
+    if mode.defer_by_group:
+        from kvpool.tools.replay.free_order import defer_by_group
+
+        defer_by_group(scheduler)
     return scheduler
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvpool.tools.replay import group_report
+from kvpool.tools.replay import free_order, group_report
 
 _RICH = {"vanilla": "red", "kvpool": "yellow", "kvpool+reorder": "green", "kvpool+contiguous": "blue"}
 
@@ -254,8 +254,8 @@ def render_tables(report: dict[str, Any], console, per_round: bool = True) -> No
     deferred = any(x["deferred_frees"] for r in modes.values() for x in r["rounds"])
     console.print(
         f"[bold]{wl['name']}[/]: {wl['description']}\n"
-        f"pool {cfg['num_blocks']} blocks x {cfg['block_size']} tokens, "
-        f"max_model_len {cfg['max_model_len']}, seed {cfg['seed']}, vLLM {cfg.get('vllm_version')}"
+        f"{group_report.pool_text(cfg)}, max_model_len {cfg['max_model_len']}, seed {cfg['seed']}, "
+        f"vLLM {cfg.get('vllm_version')}"
     )
     group_report.render(report, modes, console)
     if per_round:
@@ -384,7 +384,7 @@ def verdict(report: dict[str, Any]) -> list[str]:
         second.append(f"scheduler CPU per step {span} vanilla's")
     if second:
         lines.append("         " + "; ".join(second) + ".")
-    return lines
+    return lines + free_order.summary_lines(cmp_)
 
 
 #: Plot styles. Any two modes may draw the same curve (vanilla / kvpool: same allocation
@@ -483,7 +483,7 @@ def figure(report: dict[str, Any]):
         labels.append(f"round {wrap}: vanilla reaches the last block id (later allocations reuse freed blocks)")
     fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8, frameon=False)
     fig.suptitle(
-        f"kvpool replay, workload {wl['name']}: {cfg['num_blocks']} blocks x {cfg['block_size']} tokens, "
+        f"kvpool replay, workload {wl['name']}: {group_report.pool_text(cfg)}, "
         f"vLLM {cfg.get('vllm_version')}, seed {cfg['seed']}",
         fontsize=11,
     )

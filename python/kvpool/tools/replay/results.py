@@ -121,8 +121,11 @@ class RoundResult:
     #: ``--model`` runs: per KV cache group (vLLM's order) ``{"group", "kind", "block_size",
     #: "contiguity", "table_contiguity", "mean_run_length", "prompt_blocks",
     #: "live_blocks_per_prompt"}`` over each table's non-null blocks
-    #: (``metrics.group_figures``; docs/replay.md, "Model shapes").
+    #: (``metrics.group_figures``; docs/replay.md, "Model shapes"), with the group's
+    #: ``table_digest``, ``freed_blocks`` and ``free_order_digest`` (``free_order``).
     by_group: list[dict[str, Any]] | None = field(default=None, metadata=_OPTIONAL)
+    #: ``--model`` runs: digest of the pool's whole free queue after the round, in order.
+    free_queue_digest: str | None = field(default=None, metadata=_OPTIONAL)
     #: Not in the JSON: whether the *window* fields are.
     window: bool = field(default=False, repr=False, metadata={"internal": True})
 
@@ -249,6 +252,9 @@ class ModeComparison:
     max_leaked_blocks: int
     vs_vanilla: VersusVanilla | None = None
     sched_cpu_ratio_vs_kvpool: float | None = None
+    #: With the ``vanilla+immediate-order`` reference in the run: rounds equal to it
+    #: (``free_order.versus_immediate_order``).
+    vs_immediate_order: dict[str, Any] | None = field(default=None, metadata=_OPTIONAL)
     #: Over all rounds: prompt descriptors (sum, per prompt, the largest of one prompt),
     #: offloading copies (sum) and blocks per copy (1.0: no two blocks coalesced).
     prompt_descriptors_total: int = field(default=0, metadata=_TRANSFER)
@@ -267,7 +273,8 @@ class ModeComparison:
     def to_json(self) -> dict[str, Any]:
         added = [f for f in fields(self) if f.metadata.get("transfer")]
         out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("vs_vanilla", "sched_cpu_ratio_vs_kvpool") and f not in added}
+               if f.name not in ("vs_vanilla", "sched_cpu_ratio_vs_kvpool", "vs_immediate_order")
+               and f not in added}
         vs = [] if self.vs_vanilla is None else fields(self.vs_vanilla)
         out.update((f.name, getattr(self.vs_vanilla, f.name)) for f in vs if not f.metadata.get("transfer"))
         if self.sched_cpu_ratio_vs_kvpool is not None:
@@ -276,6 +283,8 @@ class ModeComparison:
         shown += [(f, getattr(self.vs_vanilla, f.name)) for f in vs if f.metadata.get("transfer")]
         # (an optional field, the P/D ones, only when set)
         out.update((f.name, v) for f, v in shown if v is not None or not f.metadata.get("optional"))
+        if self.vs_immediate_order is not None:
+            out["vs_immediate_order"] = self.vs_immediate_order
         return out
 
 

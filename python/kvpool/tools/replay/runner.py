@@ -35,11 +35,12 @@ def warm_up(workload: Workload, pool: PoolSpec, seed: int) -> None:
     so that one-time costs (lazy imports, first-call paths, allocator growth) do not land
     in the first measured round of whichever mode runs first."""
     first = workload.round_requests(0)[:4]
+    block = pool.smallest_block  # (not the scheduler's block: an LCM of the groups' with --model)
     tiny = replace(
         workload,
         continuous=False,
-        requests=[replace(r, prompt_len=min(r.prompt_len, 4 * pool.block_size + 1),
-                          output_len=min(r.output_len, 2 * pool.block_size), arrival_step=0)
+        requests=[replace(r, prompt_len=min(r.prompt_len, 4 * block + 1),
+                          output_len=min(r.output_len, 2 * block), arrival_step=0)
                   for r in first],
     )
     tiny_pool = replace(pool, num_blocks=min(pool.num_blocks, 4096))

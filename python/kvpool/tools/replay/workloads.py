@@ -75,6 +75,9 @@ class EngineSpec:
     kv_connector: str | None = None
     kv_role: str | None = None
     model: str = DEFAULT_MODEL
+    #: vLLM's ``--hf-overrides`` for ``model``'s config (``--model`` runs), e.g.
+    #: ``{"num_hidden_layers": 40}``; ``None``: the shipped config as it is.
+    hf_overrides: dict[str, Any] | None = None
 
 
 @dataclass
