@@ -117,32 +117,17 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
             error the popped blocks that are still off the free list and unchanged by
             others are put back in front, in their old order, with ``ref_cnt`` 0.
     """
-    cdef Py_ssize_t n, i = 0, j, nset = 0, nback = 0
+    cdef Py_ssize_t n, i = 0, nset = 0, j, n01 = 0
     cdef list ret
-    cdef PyObject* o
-    cdef PyObject** table
-    cdef PyObject* none = kvpool_none()
     cdef bint has_extra = bool(cached_block_hashes_by_block)
     cdef vector[int32_t] popped
     cdef vector[int32_t] left  # the rollback's record, allocated before any change
     cdef vector[PyObject*] taken  # owned references to the blocks of this call
     cdef kvpool_refbatch rb
-    cdef Py_ssize_t n01 = 0
-    cdef PyObject* zero = kvpool_si_obj(0)
-    cdef PyObject* one = kvpool_si_obj(1)
-    cdef const int32_t* next_links
-    cdef int32_t node, slot
-    cdef long refs
     cdef uint64_t insertions
-    cdef int32_t extents_before = 0
-    cdef int32_t uncached, cont = -1
+    cdef int32_t uncached, extents_before = 0, nfront = 0
     cdef vector[pair[int32_t, ObjPtr]] placement  # the table order's scratch
     cdef vector[int32_t] lru_front  # with an LRU window: the LRU front, for an undo
-    cdef int32_t nfront = 0
-    cdef int evict_state = 0 if pool is not None else 2   # 0 unknown, 1 native, 2 callback
-    cdef dict evict_cache = None
-    cdef dict evict_dups = None
-    cdef list evict_log = None
     # Compared as Python ints first: a count past Py_ssize_t gets vLLM's ValueError,
     # not an OverflowError from the conversion.
     n_o = _index(num_blocks)
@@ -160,16 +145,11 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
     taken.resize(n)
     left.reserve(n)
     kvpool_refbatch_init(&rb)
-    table = kvpool_list_items(<PyObject*>queue._blocks)
-    # The common case first: walk the front of the free list while taking the blocks
-    # (the walk's chain of dependent loads overlaps the per-block work), up to the
-    # first block that needs Python code (creation, an eviction callback) or is not
-    # a plain free block; the walked run is then unlinked in one go. No Python code
-    # runs until every block of the call is off the free list, as in vLLM. The
-    # returned list is built last, so Python code never sees it half filled.
+    # The common case first (_take_chosen, _take_front), then the rest (_take_rest). No
+    # Python code runs until every block of the call is off the free list, as in vLLM;
+    # the returned list is built last, so Python code never sees it half filled.
     if queue._list.order() == ORDER_CONTIGUOUS:
-        # The policy chooses the blocks and unlinks them at once; then the same
-        # common case as below, over the chosen blocks.
+        # The policy chooses the blocks and unlinks them at once.
         placement.reserve(n)
         if queue._lru_window > 0:  # (at most the free blocks: the window is clamped)
             lru_front.resize(min(<Py_ssize_t>n + queue._lru_window, <Py_ssize_t>queue._list.size()))
@@ -177,141 +157,209 @@ def pool_get_new_blocks(FreeKVCacheBlockQueue queue not None, num_blocks,
         extents_before = queue._list.num_extents(owner) if owner > 0 else 0
         uncached = queue._list.take(<int32_t>n, hint, owner, want, popped.data(),
                                     queue._lru_window)
-        while i < n:
-            o = table[popped[i]]
-            if (o == none or (<KVCacheBlock>o)._ref_cnt_o != zero or (enable_caching and (
-                    <PyObject*>(<KVCacheBlock>o)._block_hash != none or has_extra))):
-                break
-            (<KVCacheBlock>o)._ref_cnt_o = one  # counted in n01
-            n01 += 1
-            Py_INCREF_ptr(o)
-            taken[i] = o
-            i += 1
-        nset = i
+        i = _take_chosen(queue, n, popped.data(), taken.data(), enable_caching, has_extra)
     else:
-        next_links = queue._list.next_links()
-        node = next_links[0]  # the fake head's next
-        while i < n:
-            slot = node - 2
-            o = table[slot]
-            if (o == none or (<KVCacheBlock>o)._ref_cnt_o != zero or (enable_caching and (
-                    <PyObject*>(<KVCacheBlock>o)._block_hash != none or has_extra))):
-                break
-            popped[i] = slot
-            (<KVCacheBlock>o)._ref_cnt_o = one  # counted in n01
-            n01 += 1
-            Py_INCREF_ptr(o)
-            taken[i] = o
-            i += 1
-            node = next_links[node]
-        nset = i
-        queue._list.detach_front(popped.data(), <int32_t>i)
-        # The rest, popped first, one block at a time.
-        if i < n:
-            queue._list.popleft_n(<int32_t>(n - i), popped.data() + i)
+        i = _take_front(queue, n, popped.data(), taken.data(), enable_caching, has_extra)
+    n01 = nset = i   # (each taken block's ref_cnt 0 -> 1, counted in n01)
     insertions = queue._list.insertions()
     try:
-        while i < n:
-            table = kvpool_list_items(<PyObject*>queue._blocks)  # Python code may have run
-            o = table[popped[i]]
-            if o == none:
-                _fold_0_to_1(&rb, n01)  # a creation may run Python code (gc)
-                n01 = 0
-                kvpool_refbatch_flush(&rb)
-                queue._block_at(popped[i])  # creates it in the table
-                o = kvpool_list_items(<PyObject*>queue._blocks)[popped[i]]
-                if not isinstance(<object>o, KVCacheBlock):
-                    raise BlockStateError(f"free slot {popped[i]} holds no block; the pool is corrupted")
-            Py_INCREF_ptr(o)
-            taken[i] = o
-            i += 1
-            if enable_caching and (<PyObject*>(<KVCacheBlock>o)._block_hash != none or (
-                    has_extra and _block_id(<KVCacheBlock>o) in cached_block_hashes_by_block)):
-                if evict_state == 0:
-                    evict_cache = _native_evict_cache(pool)
-                    evict_dups = _native_dup_ids(evict_cache, pool)
-                    evict_state = 1 if evict_cache is not None else 2
-                    if evict_state == 1:
-                        evict_log = _removed_events_list(pool)
-                if not (evict_state == 1 and not (
-                        has_extra and _block_id(<KVCacheBlock>o) in cached_block_hashes_by_block)
-                        and _evict_natively(evict_cache, evict_dups, <KVCacheBlock>o, evict_log)):
-                    _fold_0_to_1(&rb, n01)
-                    n01 = 0
-                    kvpool_refbatch_flush(&rb)
-                    evict_cached_block(<object>o)
-                    if pool is not None:
-                        evict_state = 0  # Python code ran: the next eviction checks again
-            if (<KVCacheBlock>o)._ref_cnt_o == zero:
-                (<KVCacheBlock>o)._ref_cnt_o = one  # the common case, counted in n01
-                n01 += 1
-            else:
-                refs = _ref_cnt(<KVCacheBlock>o)
-                if refs != 0:
-                    raise BlockStateError(
-                        f"free block {_id_text(o)} has ref_cnt={refs}; the pool is corrupted")
-                if _put_refs(o, 1, &rb) != E_NONE:
-                    raise MemoryError("get_new_blocks(): no memory for a ref_cnt")
-            nset = i
+        _take_rest(queue, n, popped.data(), taken.data(), enable_caching, has_extra,
+                   cached_block_hashes_by_block, evict_cached_block, pool, &rb,
+                   &i, &nset, &n01)
         ret = PyList_New(n)
     except BaseException:
         _fold_0_to_1(&rb, n01)
         kvpool_refbatch_flush(&rb)
-        # Put back, in their old order and unheld, the popped blocks that are still
-        # off the free list and still as this call left them. Python code that ran in
-        # between (a callback, a finalizer) may have freed some of them, or freed and
-        # taken them again: if anything was put into the free list meanwhile, a block
-        # this call set to ref_cnt 1 may be someone else's now, and is left as it is.
-        # No allocation on this path: `left` has room for every slot.
-        queue_changed = queue._list.insertions() != insertions
-        for j in range(n):
-            slot = popped[j]
-            if queue._list.contains(slot):
-                continue  # already back in the free list
-            if j < nset:  # this call set ref_cnt 1
-                o = taken[j]
-                if not _read_refs(o, &refs) or refs != 1 or queue_changed:
-                    left.push_back(slot)
-                    continue
-                _put_refs(o, 0, &rb)
-            else:
-                o = taken[j] if j < i else kvpool_list_items(<PyObject*>queue._blocks)[slot]
-                if o != none and _read_refs(o, &refs) and refs != 0:
-                    left.push_back(slot)  # not set by this call, but held now
-                    continue
-            popped[nback] = slot
-            nback += 1
-        if nback:
-            queue._list.reinsert_front(popped.data(), <int32_t>nback)
-        if nfront and not queue_changed and queue._list.order() == ORDER_CONTIGUOUS:
-            # the LRU window took from inside the front
-            queue._list.restore_lru_front(lru_front.data(), nfront)
-        if owner > 0 and queue._list.order() == ORDER_CONTIGUOUS:
-            queue._list.truncate_extents(owner, extents_before)  # the extent this call reserved
-        for j in range(i):
-            Py_DECREF_ptr(taken[j])
-        _flush(&rb)
-        if left.size():
-            exc = sys.exc_info()[1]
-            if hasattr(exc, "add_note"):
-                try:
-                    exc.add_note(
-                        f"kvpool: get_new_blocks() left blocks in slots {list(left)} as the "
-                        "Python code that ran during the call left them (freed and possibly "
-                        "taken again); the other popped blocks were put back")
-                except MemoryError:
-                    pass  # the note is a courtesy; the original error is what counts
+        _undo_get_new_blocks(queue, n, i, nset, popped.data(), taken.data(), left,
+                             insertions, lru_front.data(), nfront, owner, extents_before,
+                             &rb)
         raise
     if uncached < n:
         # The blocks evicted from the LRU front (in vLLM's order, above) go into the
         # table ascending, continuing the table's last run when they can (the
         # contiguous policy; cpp/table_placement.h). Which blocks, and the order of
         # their evictions, stay vLLM's.
-        cont = popped[uncached - 1] + 1 if uncached > 0 else hint
         place_ascending(popped.data() + uncached, <ObjPtr*>taken.data() + uncached,
-                        <int32_t>(n - uncached), cont, placement)
+                        <int32_t>(n - uncached),
+                        popped[uncached - 1] + 1 if uncached > 0 else hint, placement)
     for j in range(n):
         kvpool_list_items(<PyObject*>ret)[j] = taken[j]  # the list takes the reference
     _fold_0_to_1(&rb, n01)
     _flush(&rb)
     return ret
+
+
+cdef Py_ssize_t _take_chosen(FreeKVCacheBlockQueue queue, Py_ssize_t n, int32_t* popped,
+                             PyObject** taken, bint enable_caching, bint has_extra):
+    # pool_get_new_blocks' common case over the blocks the contiguous policy chose
+    # (popped[0 .. n-1], already unlinked): each plain free block, up to the first
+    # that is not, set to ref_cnt 1 and held in taken. Returns how many. No Python code.
+    cdef Py_ssize_t i = 0
+    cdef PyObject* o
+    cdef PyObject** table = kvpool_list_items(<PyObject*>queue._blocks)
+    cdef PyObject* none = kvpool_none()
+    cdef PyObject* zero = kvpool_si_obj(0)
+    cdef PyObject* one = kvpool_si_obj(1)
+    while i < n:
+        o = table[popped[i]]
+        if (o == none or (<KVCacheBlock>o)._ref_cnt_o != zero or (enable_caching and (
+                <PyObject*>(<KVCacheBlock>o)._block_hash != none or has_extra))):
+            break
+        (<KVCacheBlock>o)._ref_cnt_o = one  # counted in the caller's n01
+        Py_INCREF_ptr(o)
+        taken[i] = o
+        i += 1
+    return i
+
+
+cdef Py_ssize_t _take_front(FreeKVCacheBlockQueue queue, Py_ssize_t n, int32_t* popped,
+                            PyObject** taken, bint enable_caching, bint has_extra):
+    # pool_get_new_blocks' common case in vLLM's order: walk the front of the free list
+    # while taking the blocks (the walk's chain of dependent loads overlaps the
+    # per-block work), up to the first that is not a plain free block; the walked run
+    # is unlinked in one go, the rest of the n popped one at a time (into popped).
+    # Returns how many were taken (ref_cnt 1, held in taken). No Python code.
+    cdef Py_ssize_t i = 0
+    cdef PyObject* o
+    cdef PyObject** table = kvpool_list_items(<PyObject*>queue._blocks)
+    cdef PyObject* none = kvpool_none()
+    cdef PyObject* zero = kvpool_si_obj(0)
+    cdef PyObject* one = kvpool_si_obj(1)
+    cdef const int32_t* next_links = queue._list.next_links()
+    cdef int32_t node = next_links[0]  # the fake head's next
+    cdef int32_t slot
+    while i < n:
+        slot = node - 2
+        o = table[slot]
+        if (o == none or (<KVCacheBlock>o)._ref_cnt_o != zero or (enable_caching and (
+                <PyObject*>(<KVCacheBlock>o)._block_hash != none or has_extra))):
+            break
+        popped[i] = slot
+        (<KVCacheBlock>o)._ref_cnt_o = one  # counted in the caller's n01
+        Py_INCREF_ptr(o)
+        taken[i] = o
+        i += 1
+        node = next_links[node]
+    queue._list.detach_front(popped, <int32_t>i)
+    if i < n:
+        queue._list.popleft_n(<int32_t>(n - i), popped + i)
+    return i
+
+
+cdef int _take_rest(FreeKVCacheBlockQueue queue, Py_ssize_t n, int32_t* popped,
+                    PyObject** taken, bint enable_caching, bint has_extra,
+                    dict cached_block_hashes_by_block, object evict_cached_block,
+                    object pool, kvpool_refbatch* rb, Py_ssize_t* i, Py_ssize_t* nset,
+                    Py_ssize_t* n01) except -1:
+    # pool_get_new_blocks' blocks popped[i[0] ..] (off the free list, not yet taken),
+    # one at a time: created where the table has none, their prefix-cache hash evicted
+    # (natively, _evict_natively, or by evict_cached_block), checked ref_cnt 0 and set
+    # to 1. Python code may run (creation, callbacks). i, nset (blocks this call set to
+    # ref_cnt 1) and n01 are kept current for the caller's rollback when this raises.
+    cdef PyObject* o
+    cdef PyObject* none = kvpool_none()
+    cdef PyObject* zero = kvpool_si_obj(0)
+    cdef long refs
+    cdef int evict_state = 0 if pool is not None else 2   # 0 unknown, 1 native, 2 callback
+    cdef dict evict_cache = None
+    cdef dict evict_dups = None
+    cdef list evict_log = None
+    while i[0] < n:
+        o = kvpool_list_items(<PyObject*>queue._blocks)[popped[i[0]]]  # (Python code may have run)
+        if o == none:
+            _fold_0_to_1(rb, n01[0])  # a creation may run Python code (gc)
+            n01[0] = 0
+            kvpool_refbatch_flush(rb)
+            queue._block_at(popped[i[0]])  # creates it in the table
+            o = kvpool_list_items(<PyObject*>queue._blocks)[popped[i[0]]]
+            if not isinstance(<object>o, KVCacheBlock):
+                raise BlockStateError(f"free slot {popped[i[0]]} holds no block; the pool is corrupted")
+        Py_INCREF_ptr(o)
+        taken[i[0]] = o
+        i[0] += 1
+        if enable_caching and (<PyObject*>(<KVCacheBlock>o)._block_hash != none or (
+                has_extra and _block_id(<KVCacheBlock>o) in cached_block_hashes_by_block)):
+            if evict_state == 0:
+                evict_cache = _native_evict_cache(pool)
+                evict_dups = _native_dup_ids(evict_cache, pool)
+                evict_state = 1 if evict_cache is not None else 2
+                if evict_state == 1:
+                    evict_log = _removed_events_list(pool)
+            if not (evict_state == 1 and not (
+                    has_extra and _block_id(<KVCacheBlock>o) in cached_block_hashes_by_block)
+                    and _evict_natively(evict_cache, evict_dups, <KVCacheBlock>o, evict_log)):
+                _fold_0_to_1(rb, n01[0])
+                n01[0] = 0
+                kvpool_refbatch_flush(rb)
+                evict_cached_block(<object>o)
+                if pool is not None:
+                    evict_state = 0  # Python code ran: the next eviction checks again
+        if (<KVCacheBlock>o)._ref_cnt_o == zero:
+            (<KVCacheBlock>o)._ref_cnt_o = kvpool_si_obj(1)  # the common case, counted in n01
+            n01[0] += 1
+        else:
+            refs = _ref_cnt(<KVCacheBlock>o)
+            if refs != 0:
+                raise BlockStateError(
+                    f"free block {_id_text(o)} has ref_cnt={refs}; the pool is corrupted")
+            if _put_refs(o, 1, rb) != E_NONE:
+                raise MemoryError("get_new_blocks(): no memory for a ref_cnt")
+        nset[0] = i[0]
+    return 0
+
+
+cdef int _undo_get_new_blocks(FreeKVCacheBlockQueue queue, Py_ssize_t n, Py_ssize_t i,
+                              Py_ssize_t nset, int32_t* popped, PyObject** taken,
+                              vector[int32_t]& left, uint64_t insertions,
+                              int32_t* lru_front, int32_t nfront, int32_t owner,
+                              int32_t extents_before, kvpool_refbatch* rb) except -1:
+    # pool_get_new_blocks' rollback (in its except clause; rb folded and flushed).
+    # Put back, in their old order and unheld, the popped blocks that are still off the
+    # free list and still as this call left them. Python code that ran in between (a
+    # callback, a finalizer) may have freed some of them, or freed and taken them
+    # again: if anything was put into the free list meanwhile, a block this call set
+    # to ref_cnt 1 may be someone else's now, and is left as it is. No allocation on
+    # this path: `left` has room for every slot.
+    cdef Py_ssize_t j, nback = 0
+    cdef PyObject* o
+    cdef PyObject* none = kvpool_none()
+    cdef int32_t slot
+    cdef long refs
+    queue_changed = queue._list.insertions() != insertions
+    for j in range(n):
+        slot = popped[j]
+        if queue._list.contains(slot):
+            continue  # already back in the free list
+        if j < nset:  # this call set ref_cnt 1
+            o = taken[j]
+            if not _read_refs(o, &refs) or refs != 1 or queue_changed:
+                left.push_back(slot)
+                continue
+            _put_refs(o, 0, rb)
+        else:
+            o = taken[j] if j < i else kvpool_list_items(<PyObject*>queue._blocks)[slot]
+            if o != none and _read_refs(o, &refs) and refs != 0:
+                left.push_back(slot)  # not set by this call, but held now
+                continue
+        popped[nback] = slot
+        nback += 1
+    if nback:
+        queue._list.reinsert_front(popped, <int32_t>nback)
+    if nfront and not queue_changed and queue._list.order() == ORDER_CONTIGUOUS:
+        queue._list.restore_lru_front(lru_front, nfront)  # the LRU window took from inside the front
+    if owner > 0 and queue._list.order() == ORDER_CONTIGUOUS:
+        queue._list.truncate_extents(owner, extents_before)  # the extent this call reserved
+    for j in range(i):
+        Py_DECREF_ptr(taken[j])
+    _flush(rb)
+    if left.size():
+        exc = sys.exc_info()[1]
+        if hasattr(exc, "add_note"):
+            try:
+                exc.add_note(
+                    f"kvpool: get_new_blocks() left blocks in slots {list(left)} as the "
+                    "Python code that ran during the call left them (freed and possibly "
+                    "taken again); the other popped blocks were put back")
+            except MemoryError:
+                pass  # the note is a courtesy; the original error is what counts
+    return 0

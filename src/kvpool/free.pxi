@@ -251,38 +251,153 @@ cdef inline void _tally(bint by_slot, PyObject* o, int32_t slot,
     prev[0] = cur
 
 
+cdef inline int32_t _own_held_once_slot(PyObject* o, PyObject* pool_o, PyObject* queue_o,
+                                        uint32_t capacity, const int32_t* free_marks):
+    # _free_core's common case: the slot of `o` when it is a held-once block of this
+    # pool (pool_o) and queue (queue_o), not the null block and not free; else -1.
+    cdef int32_t slot
+    if (<void*>Py_TYPE(<object>o) == <void*>KVCacheBlock
+            and (<KVCacheBlock>o)._ref_cnt_o == kvpool_si_obj(1)
+            and (<KVCacheBlock>o)._is_null_o == kvpool_false()
+            and <PyObject*>(<KVCacheBlock>o).pool == pool_o
+            and <PyObject*>(<KVCacheBlock>o)._queue == queue_o):
+        slot = (<KVCacheBlock>o)._slot
+        if <uint32_t>slot < capacity and free_marks[slot] < 0:
+            return slot
+    return -1
+
+
+cdef inline PyObject* _own_handle_block(int64_t h, int64_t own_owner, PyObject** own_items,
+                                        int64_t own_size, PyObject* queue_o, PyObject* pool_o,
+                                        const int32_t* free_marks, int32_t* fast_slot):
+    # _free_core's common case for a deferred-free handle: the block of this pool's own
+    # queue that handle `h` still names (the block at that slot of own_items is
+    # registered there), with fast_slot set when it is a held-once block of this pool,
+    # not null and not free; NULL when the handle names another owner's block or one
+    # that moved (_handle_to_block resolves it then). Runs no Python code.
+    cdef int64_t hslot = <int64_t><uint32_t>h
+    cdef PyObject* o
+    if (h >> 32) != own_owner or hslot >= own_size:
+        return NULL
+    o = own_items[hslot]
+    if (<void*>Py_TYPE(<object>o) != <void*>KVCacheBlock
+            or <PyObject*>(<KVCacheBlock>o)._queue != queue_o
+            or (<KVCacheBlock>o)._slot != hslot):
+        return NULL
+    if ((<KVCacheBlock>o)._ref_cnt_o == kvpool_si_obj(1)
+            and (<KVCacheBlock>o)._is_null_o == kvpool_false()
+            and <PyObject*>(<KVCacheBlock>o).pool == pool_o
+            and free_marks[hslot] < 0):
+        fast_slot[0] = <int32_t>hslot
+    return o
+
+
+cdef void _free_core_link(FreeKVCacheBlockQueue queue, int32_t* first, Py_ssize_t nfirst,
+                          int32_t* last, Py_ssize_t nlast, vector[PyObject*]* foreign_out,
+                          Py_ssize_t nforeign, int64_t* tally):
+    # _free_core's success path: every block was checked (in range, not free, listed
+    # once per reference), so these batch links cannot fail; the forwarded blocks'
+    # references taken, the table statistics added. Runs no Python code.
+    cdef Py_ssize_t j
+    if nfirst:
+        queue._list.prepend_n_unchecked(first, <int32_t>nfirst)
+    if nlast:
+        queue._list.append_n_unchecked(last, <int32_t>nlast)
+    for j in range(nforeign):
+        Py_INCREF_ptr(deref(foreign_out)[j])
+    tally[1] = tally[0] - 1 if tally[0] > 0 else 0  # one list: n blocks, n - 1 pairs
+    for j in range(4):
+        queue._table_stats[j] += tally[j]
+
+
+cdef int _free_core_failed(PyObject** items, Py_ssize_t n, Py_ssize_t step,
+                           FencedDeferredFreeQueue deferred, const int64_t* handles,
+                           PyObject* pool_o, int err, Py_ssize_t k, long refs,
+                           kvpool_refbatch* rb, kvpool_refjournal* jn,
+                           vector[PyObject*]* stale_out) except -1:
+    # _free_core's error path (err at block k; refs: the loop's last read count):
+    # undo, then raise; or, for a stale block with stale_out given, return 1 (the
+    # caller adopts the blocks and frees again).
+    cdef HandleTable ht
+    cdef Py_ssize_t j
+    cdef PyObject* o
+    cdef PyObject* none = kvpool_none()
+    cdef int action
+    cdef object culprit
+    # Undo, last block first: every block before the failing one that is neither
+    # null nor another pool's was decremented once per occurrence; the journal
+    # gives back the replaced ref_cnt objects, so nothing is allocated. Nothing
+    # was linked yet.
+    ht.current = -1
+    j = k - 1
+    while j >= 0:
+        o = items[j * step] if handles is NULL else _handle_to_block(deferred, handles[j], &ht, &action)
+        j -= 1
+        if _null_state(o) == 1:
+            continue
+        if (<PyObject*>(<KVCacheBlock>o).pool != none
+                and <PyObject*>(<KVCacheBlock>o).pool != pool_o):
+            continue
+        _read_refs(o, &refs)
+        _undo_refs(o, refs + 1, rb, jn, j + 1)  # the value it had
+    if err == E_STALE and stale_out is not NULL and handles is NULL:
+        # A block of this pool held in a queue the pool replaced: the caller adopts
+        # it and frees again (returns 1). It gets the blocks as owned references
+        # before any Python code can run (the flush below, or an exception's
+        # creation, could run a finalizer that changes the caller's list).
+        try:
+            deref(stale_out).resize(n)
+        except MemoryError:
+            deref(stale_out).clear()  # no room: raised as an error below
+        else:
+            for j in range(n):
+                o = items[j * step]
+                Py_INCREF_ptr(o)
+                deref(stale_out)[j] = o
+            _flush(rb)
+            return 1
+    if k == n or err == E_TAKEN_OVER or err == E_CORRUPT_HANDLE:
+        culprit = None
+    elif handles is NULL:
+        culprit = <object>items[k * step]
+    else:
+        culprit = <object>_handle_to_block(deferred, handles[k], &ht, &action)
+    if culprit is not None and err == E_DOUBLE_FREE:
+        _read_refs(<PyObject*>culprit, &refs)
+    _flush(rb)
+    _raise_loop_error(err, culprit, "free_blocks", refs)
+    return -1   # (not reached: _raise_loop_error raises)
+
+
+# The loop of pool_free_blocks over items[0], items[step], ... (n of them, borrowed
+# references the caller keeps alive), or, when `handles` is not NULL, over the
+# blocks named by handles[0 .. n-1] of `deferred` (resolved as the loop goes;
+# `own_owner` is the owner index of `queue` there, -1 if none). No Python code
+# runs and nothing that could start a garbage collection is allocated until the
+# loop and its undo are done, so the items cannot change under it.
+#
+# On success every block of this pool is freed and linked, other pools' blocks
+# are in *foreign_out (owned references), and still no Python code has run: the
+# caller can record the free (e.g. drop a deferred entry) before anything else
+# happens, then forward the foreign blocks and call _release_parked(). On error
+# nothing is changed, parked objects are released, and the exception is raised
+# (_free_core_failed).
 cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
                     Py_ssize_t n, Py_ssize_t step, bint enable_caching,
                     FencedDeferredFreeQueue deferred, const int64_t* handles,
                     int64_t own_owner, vector[PyObject*]* foreign_out,
                     vector[PyObject*]* stale_out=NULL) except -1:
-    # The loop of pool_free_blocks over items[0], items[step], ... (n of them, borrowed
-    # references the caller keeps alive), or, when `handles` is not NULL, over the
-    # blocks named by handles[0 .. n-1] of `deferred` (resolved as the loop goes;
-    # `own_owner` is the owner index of `queue` there, -1 if none). No Python code
-    # runs and nothing that could start a garbage collection is allocated until the
-    # loop and its undo are done, so the items cannot change under it.
-    #
-    # On success every block of this pool is freed and linked, other pools' blocks
-    # are in *foreign_out (owned references), and still no Python code has run: the
-    # caller can record the free (e.g. drop a deferred entry) before anything else
-    # happens, then forward the foreign blocks and call _release_parked(). On error
-    # nothing is changed, parked objects are released, and the exception is raised.
     cdef HandleTable ht
-    cdef int64_t h, hslot
     cdef int32_t fast_slot
     cdef PyObject** own_items = kvpool_list_items(<PyObject*>queue._blocks)
     cdef int64_t own_size = PyList_GET_SIZE(queue._blocks)
-    cdef Py_ssize_t k = 0, j, nfirst = 0, nlast = 0, nforeign = 0, n10 = 0
+    cdef Py_ssize_t k = 0, nfirst = 0, nlast = 0, nforeign = 0, n10 = 0
     cdef PyObject* o
     cdef PyObject* none = kvpool_none()
-    cdef PyObject* false_ = kvpool_false()
     cdef PyObject* zero = kvpool_si_obj(0)
-    cdef PyObject* one = kvpool_si_obj(1)
     cdef object owner = _block_owner(pool)  # what the pool's blocks hold as `pool`
     cdef PyObject* pool_o = <PyObject*>owner
     cdef PyObject* queue_o = <PyObject*>queue
-    cdef void* block_type = <void*>KVCacheBlock
     cdef long refs = 0
     cdef int32_t slot
     cdef uint32_t capacity = <uint32_t>queue._list.capacity()
@@ -293,7 +408,6 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
     cdef PyObject** foreign
     cdef kvpool_refbatch rb
     cdef kvpool_refjournal jn
-    cdef object culprit
     cdef int64_t tally[4]
     cdef int64_t tally_prev = 0
     cdef bint by_slot = queue._lazy  # a pool's queue: slot == block_id
@@ -311,39 +425,16 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
     kvpool_refbatch_init(&rb)
     ht.current = -1
     while k < n:
-        # The common case, checked inline: a held-once block of this pool that is not
-        # the null block (fast_slot >= 0 then); anything else goes to _free_one.
-        fast_slot = -1
+        # The common case (fast_slot >= 0), a held-once block of this pool; else _free_one.
         if handles is NULL:
             o = items[k * step]
-            if (<void*>Py_TYPE(<object>o) == block_type
-                    and (<KVCacheBlock>o)._ref_cnt_o == one
-                    and (<KVCacheBlock>o)._is_null_o == false_
-                    and <PyObject*>(<KVCacheBlock>o).pool == pool_o
-                    and <PyObject*>(<KVCacheBlock>o)._queue == queue_o):
-                slot = (<KVCacheBlock>o)._slot
-                if <uint32_t>slot < capacity and free_marks[slot] < 0:
-                    fast_slot = slot
+            fast_slot = _own_held_once_slot(o, pool_o, queue_o, capacity, free_marks)
         else:
-            h = handles[k]
-            hslot = <int64_t><uint32_t>h
-            o = NULL
-            if (h >> 32) == own_owner and hslot < own_size:
-                # A block of this pool's own queue: the handle still names it if the
-                # block there is registered at that slot of that queue.
-                o = own_items[hslot]
-                if (<void*>Py_TYPE(<object>o) == block_type
-                        and <PyObject*>(<KVCacheBlock>o)._queue == queue_o
-                        and (<KVCacheBlock>o)._slot == hslot):
-                    if ((<KVCacheBlock>o)._ref_cnt_o == one
-                            and (<KVCacheBlock>o)._is_null_o == false_
-                            and <PyObject*>(<KVCacheBlock>o).pool == pool_o
-                            and free_marks[hslot] < 0):
-                        fast_slot = <int32_t>hslot
-                else:
-                    o = NULL
+            fast_slot = -1
+            o = _own_handle_block(handles[k], own_owner, own_items, own_size, queue_o,
+                                  pool_o, free_marks, &fast_slot)
             if o is NULL:
-                o = _handle_to_block(deferred, h, &ht, &err)
+                o = _handle_to_block(deferred, handles[k], &ht, &err)
                 if o is NULL:
                     break
         if fast_slot >= 0:
@@ -365,16 +456,16 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
         if action == A_FOREIGN:
             foreign[nforeign] = o
             nforeign += 1
-        elif action == A_FIRST:
-            first[nfirst] = (<KVCacheBlock>o)._slot
-            nfirst += 1
-            _tally(by_slot, o, (<KVCacheBlock>o)._slot, &tally_prev, tally)
-        elif action == A_LAST:
-            last[nlast] = (<KVCacheBlock>o)._slot
-            nlast += 1
-            _tally(by_slot, o, (<KVCacheBlock>o)._slot, &tally_prev, tally)
-        elif action == A_HELD and <PyObject*>(<KVCacheBlock>o)._queue == queue_o:
-            _tally(by_slot, o, (<KVCacheBlock>o)._slot, &tally_prev, tally)
+        elif action == A_FIRST or action == A_LAST or (
+                action == A_HELD and <PyObject*>(<KVCacheBlock>o)._queue == queue_o):
+            slot = (<KVCacheBlock>o)._slot
+            if action == A_FIRST:
+                first[nfirst] = slot
+                nfirst += 1
+            elif action == A_LAST:
+                last[nlast] = slot
+                nlast += 1
+            _tally(by_slot, o, slot, &tally_prev, tally)
         k += 1
     _fold_0_to_1(&rb, -n10)
     if err == E_NONE and nforeign:
@@ -385,59 +476,9 @@ cdef int _free_core(object pool, FreeKVCacheBlockQueue queue, PyObject** items,
             err = E_NO_MEMORY
             k = n  # undo everything; the error names no block
     if err != E_NONE:
-        # Undo, last block first: every block before the failing one that is neither
-        # null nor another pool's was decremented once per occurrence; the journal
-        # gives back the replaced ref_cnt objects, so nothing is allocated. Nothing
-        # was linked yet.
-        ht.current = -1
-        j = k - 1
-        while j >= 0:
-            o = items[j * step] if handles is NULL else _handle_to_block(deferred, handles[j], &ht, &action)
-            j -= 1
-            if _null_state(o) == 1:
-                continue
-            if (<PyObject*>(<KVCacheBlock>o).pool != none
-                    and <PyObject*>(<KVCacheBlock>o).pool != pool_o):
-                continue
-            _read_refs(o, &refs)
-            _undo_refs(o, refs + 1, &rb, &jn, j + 1)  # the value it had
-        if err == E_STALE and stale_out is not NULL and handles is NULL:
-            # A block of this pool held in a queue the pool replaced: the caller adopts
-            # it and frees again (returns 1). It gets the blocks as owned references
-            # before any Python code can run (the flush below, or an exception's
-            # creation, could run a finalizer that changes the caller's list).
-            try:
-                deref(stale_out).resize(n)
-            except MemoryError:
-                deref(stale_out).clear()  # no room: raised as an error below
-            else:
-                for j in range(n):
-                    o = items[j * step]
-                    Py_INCREF_ptr(o)
-                    deref(stale_out)[j] = o
-                _flush(&rb)
-                return 1
-        if k == n or err == E_TAKEN_OVER or err == E_CORRUPT_HANDLE:
-            culprit = None
-        elif handles is NULL:
-            culprit = <object>items[k * step]
-        else:
-            culprit = <object>_handle_to_block(deferred, handles[k], &ht, &action)
-        if culprit is not None and err == E_DOUBLE_FREE:
-            _read_refs(<PyObject*>culprit, &refs)
-        _flush(&rb)
-        _raise_loop_error(err, culprit, "free_blocks", refs)
-    # Every block was checked above (in range, not free, listed once per reference),
-    # so these batch links cannot fail.
-    if nfirst:
-        queue._list.prepend_n_unchecked(first, <int32_t>nfirst)
-    if nlast:
-        queue._list.append_n_unchecked(last, <int32_t>nlast)
-    for j in range(nforeign):
-        Py_INCREF_ptr(deref(foreign_out)[j])
-    tally[1] = tally[0] - 1 if tally[0] > 0 else 0  # one list: n blocks, n - 1 pairs
-    for j in range(4):
-        queue._table_stats[j] += tally[j]
+        return _free_core_failed(items, n, step, deferred, handles, pool_o, err, k, refs,
+                                 &rb, &jn, stale_out)
+    _free_core_link(queue, first, nfirst, last, nlast, foreign_out, nforeign, tally)
     _journal_release(&jn)  # (exact ints run no Python code; others are parked)
     kvpool_refbatch_flush(&rb)  # (the ints' counts only: no Python code)
     return 0

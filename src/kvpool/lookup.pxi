@@ -52,9 +52,8 @@ def configure_prefix_lookup(*, vanilla, lookup_specs, eagle_attr, takes_max_leng
     _fast_path.lookup_specs = tuple(lookup_specs)
     _fast_path.eagle_attr = str(eagle_attr)
     _fast_path.lookup_takes_max = bool(takes_max_length)
-    _fast_path.lookup_manager_names = tuple(manager_names)
-    _fast_path.lookup_coordinator_names = tuple(coordinator_names)
-    _fast_path.lookup_single_type_names = tuple(single_type_names)
+    _fast_path.lookup_entry = _Entry(manager_names, coordinator_names, single_type_names,
+                                     reads_enable_caching=True)
     _fast_path.hit_limit = bool(prefix_cache_hit_limit)
     _fast_path.native_lookups = 0
     _fast_path.vllm_lookups = 0
@@ -95,31 +94,19 @@ cdef object _get_computed_blocks_native(_AllocateSlotsFastPath fp, self, request
     Python code (a property, ``__eq__``, ``__bool__``) counts or changes things sees
     exactly vLLM's reads."""
     cdef long long block_size, n
-    if type(self) is not fp.manager_cls:
-        return _VLLM
     if max_length_o is not _NOT_GIVEN and not fp.lookup_takes_max:
         return _VLLM        # (vLLM's raises the TypeError)
-    if not fp.classes_unchanged() or not _not_overridden(self, fp.lookup_manager_names):
-        return _VLLM
-    # prefix_cache_lookup_enabled: `self.enable_caching and not request.skip_...`
-    enable_caching = self.enable_caching
-    if enable_caching is False:
-        return (self.empty_kv_cache_blocks, 0, 0)
-    if enable_caching is not True or self.enable_kv_cache_events is not False:
-        return _VLLM
+    # prefix_cache_lookup_enabled's `self.enable_caching` (read by _eligible first), then
     # UnitaryKVCacheCoordinator.find_longest_cache_hit ->
     # FullAttentionManager.find_longest_cache_hit (group 0, the coordinator's pool/spec)
+    mgr = _eligible(fp, fp.lookup_entry, self, None)
+    if mgr is None:
+        return _VLLM
+    if mgr is _CACHING_OFF:
+        return (self.empty_kv_cache_blocks, 0, 0)
+    if self.enable_kv_cache_events is not False:
+        return _VLLM
     coordinator = self.coordinator
-    if type(coordinator) is not fp.coordinator_cls:
-        return _VLLM
-    managers = coordinator.single_type_managers
-    if type(managers) is not tuple or len(<tuple>managers) != 1:
-        return _VLLM
-    mgr = (<tuple>managers)[0]
-    if (type(mgr) is not fp.full_attention_cls
-            or not _not_overridden(coordinator, fp.lookup_coordinator_names)
-            or not _not_overridden(mgr, fp.lookup_single_type_names)):
-        return _VLLM
     pool = coordinator.block_pool
     cache_o = _native_map_cache(fp, pool, _LOOKUP_POOL_NAMES)
     if (cache_o is None or not _is_int_one(coordinator.dcp_world_size)

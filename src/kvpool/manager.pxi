@@ -19,7 +19,8 @@
 # and vLLM's own pool, coordinator and manager methods are still what run whenever
 # anything is allocated or cached. Every other call (a waiting request, a prefix hit,
 # a connector's tokens, a subclass, a patched method, an argument of an unexpected
-# type) goes to vLLM's allocate_slots unchanged.
+# type) goes to vLLM's allocate_slots unchanged. Whether a call may go native is one
+# check shared with the native cache_blocks and get_computed_blocks (_eligible).
 
 cdef extern from *:
     """
@@ -37,6 +38,29 @@ cdef extern from *:
 
 
 @cython.auto_pickle(False)
+cdef class _Entry:
+    """One native entry point's part of the shared eligibility check (:func:`_eligible`):
+    the method names (``kvpool.vllm_calls``) that must not be set on the manager /
+    coordinator / single-type manager instances, and what it accepts besides vLLM's
+    ``UnitaryKVCacheCoordinator``."""
+    cdef readonly tuple manager_names, coordinator_names, single_type_names
+    # allocate_slots: KVCacheCoordinatorNoPrefixCache too (its allocation methods are
+    # the unitary coordinator's; prefix caching off).
+    cdef readonly bint no_prefix_cache_ok
+    # get_computed_blocks: the manager's enable_caching decides first, as vLLM's
+    # prefix_cache_lookup_enabled does (False: answered without the coordinator).
+    cdef readonly bint reads_enable_caching
+
+    def __init__(self, manager_names=(), coordinator_names=(), single_type_names=(), *,
+                 bint no_prefix_cache_ok=False, bint reads_enable_caching=False):
+        self.manager_names = tuple(manager_names)
+        self.coordinator_names = tuple(coordinator_names)
+        self.single_type_names = tuple(single_type_names)
+        self.no_prefix_cache_ok = no_prefix_cache_ok
+        self.reads_enable_caching = reads_enable_caching
+
+
+@cython.auto_pickle(False)
 cdef class _AllocateSlotsFastPath:
     """What the fast path was configured with (one per process)."""
     cdef public object manager_cls, coordinator_cls, full_attention_cls
@@ -46,7 +70,8 @@ cdef class _AllocateSlotsFastPath:
     cdef public object waiting, preempted, status_type
     cdef public dict manager_module_dict  # vllm.v1.core.kv_cache_manager.__dict__
     cdef public tuple class_checks        # ((cls, name, function), ...)
-    cdef public tuple manager_names, coordinator_names, single_type_names
+    # The three entry points' parts of the eligibility check (_eligible):
+    cdef public _Entry allocate_entry, cache_entry, lookup_entry
     cdef public bint enabled
     cdef public bint manager_hooks        # the policy's manager hooks are installed
     cdef public Py_ssize_t fast_calls, vllm_calls
@@ -71,7 +96,6 @@ cdef class _AllocateSlotsFastPath:
     cdef public object vanilla_lookup     # vLLM's KVCacheManager.get_computed_blocks
     cdef public tuple lookup_specs        # the spec types FullAttentionManager asserts
     cdef public str eagle_attr            # the coordinator's EAGLE group ids attribute
-    cdef public tuple lookup_manager_names, lookup_coordinator_names, lookup_single_type_names
     cdef public Py_ssize_t native_lookups, vllm_lookups
     cdef unsigned int tags[4]
     cdef unsigned int pool_tag, map_tag
@@ -94,8 +118,7 @@ cdef class _AllocateSlotsFastPath:
         self.vllm_lookups = 0
         self.lookup_specs = ()
         self.eagle_attr = "drop_eagle_group_ids"
-        self.lookup_manager_names = self.lookup_coordinator_names = ()
-        self.lookup_single_type_names = ()
+        self.allocate_entry = self.cache_entry = self.lookup_entry = _Entry()
         self.pool_names = ()
         self.map_names = ()
         self.cache_checks = ()
@@ -246,9 +269,9 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
     _fast_path.status_type = type(waiting)
     _fast_path.manager_module_dict = manager_module_dict
     _fast_path.class_checks = tuple(class_checks)
-    _fast_path.manager_names = tuple(manager_names)
-    _fast_path.coordinator_names = tuple(coordinator_names)
-    _fast_path.single_type_names = tuple(single_type_names)
+    _fast_path.allocate_entry = _Entry(manager_names, coordinator_names, single_type_names,
+                                       no_prefix_cache_ok=True)
+    _fast_path.cache_entry = _Entry((), coordinator_names, single_type_names)
     _fast_path.manager_hooks = manager_hooks
     _fast_path.pool_cls = pool_cls
     _fast_path.hash_map_cls = hash_map_cls
@@ -439,54 +462,86 @@ def kv_cache_manager_allocate_slots(
 
 
 cdef object _VLLM = object()   # "this call is vLLM's": nothing has been changed yet
+cdef object _CACHING_OFF = object()   # _eligible: the manager's prefix caching is off
 
 
-cdef object _allocate_slots_native(self, request, num_new_tokens, num_new_computed_tokens,
-                                   new_computed_blocks, num_lookahead_tokens,
-                                   num_external_computed_tokens, delay_cache_blocks,
-                                   num_encoder_tokens, full_sequence_must_fit,
-                                   reserved_blocks, has_scheduled_reqs, tuple args,
-                                   dict kwargs):
-    """The native path, or _VLLM before any side effect when the call is not its."""
-    cdef _AllocateSlotsFastPath fp = _fast_path
-    cdef long long new_tokens, lookahead, reserved, computed, max_len, block_size
-    cdef long long watermark = 0, total, need, to_alloc, free_blocks, n_cache
-    cdef long long n_cached, request_tokens
-    cdef object coordinator, mgr, managers, request_id, status, table, new_blocks, pool
-    cdef bint caching, running
-    cdef object num_cached_block
-    if (not fp.enabled or args or kwargs or type(self) is not fp.manager_cls
-            or new_computed_blocks is not None
-            or type(num_new_computed_tokens) is not int or num_new_computed_tokens != 0
-            or type(num_external_computed_tokens) is not int or num_external_computed_tokens != 0
-            or type(num_encoder_tokens) is not int or num_encoder_tokens != 0
-            or full_sequence_must_fit is not False
-            or (delay_cache_blocks is not False and delay_cache_blocks is not True)
-            or (has_scheduled_reqs is not False and has_scheduled_reqs is not True)
-            or not _nonneg(num_new_tokens, &new_tokens) or new_tokens == 0
-            or not _nonneg(num_lookahead_tokens, &lookahead)
-            or not _nonneg(reserved_blocks, &reserved)):
-        return _VLLM
-    coordinator = self.coordinator
-    if type(coordinator) is fp.coordinator_cls:
-        caching = True
-    elif type(coordinator) is fp.no_prefix_cache_cls and fp.no_prefix_cache_cls is not None:
-        caching = False     # (prefix caching off: nothing is ever cached or hit)
-    else:
-        return _VLLM
+cdef object _eligible(_AllocateSlotsFastPath fp, _Entry entry, manager, coordinator):
+    """The one check of the native manager path's entry points (``allocate_slots``, the
+    coordinator's ``cache_blocks``, ``get_computed_blocks``): may this call run natively?
+
+    ``manager``: the ``KVCacheManager`` the call is on, whose coordinator is then read
+    from it; None for ``cache_blocks`` (``coordinator`` is the call's). Returns the
+    coordinator's one ``FullAttentionManager`` when the manager is exactly vLLM's class,
+    the coordinator exactly ``UnitaryKVCacheCoordinator`` (or, for
+    ``entry.no_prefix_cache_ok``, ``KVCacheCoordinatorNoPrefixCache``) with one
+    single-type manager of exactly that class, no skipped method is patched on the
+    classes (:meth:`_AllocateSlotsFastPath.classes_unchanged`) nor set on the instances
+    (``entry``'s names). For ``entry.reads_enable_caching`` (the lookup) the manager's
+    ``enable_caching`` is read before the coordinator, as vLLM's
+    ``prefix_cache_lookup_enabled`` reads it: False gives ``_CACHING_OFF``, another
+    value than True None. Anything else: None (vLLM's code runs the call). Reads plain
+    attributes of objects of vLLM's exact classes only; changes nothing."""
+    if manager is not None:
+        if (type(manager) is not fp.manager_cls or not fp.classes_unchanged()
+                or not _not_overridden(manager, entry.manager_names)):
+            return None
+        if entry.reads_enable_caching:
+            enable_caching = manager.enable_caching
+            if enable_caching is False:
+                return _CACHING_OFF
+            if enable_caching is not True:
+                return None
+        coordinator = manager.coordinator
+    if type(coordinator) is not fp.coordinator_cls and not (
+            entry.no_prefix_cache_ok and fp.no_prefix_cache_cls is not None
+            and type(coordinator) is fp.no_prefix_cache_cls):
+        return None
     managers = coordinator.single_type_managers
     if type(managers) is not tuple or len(<tuple>managers) != 1:
-        return _VLLM
+        return None
     mgr = (<tuple>managers)[0]
-    request_id = request.request_id
-    if (type(mgr) is not fp.full_attention_cls or type(request_id) is not str
-            or not fp.classes_unchanged()
-            or not _not_overridden(self, fp.manager_names)
-            or not _not_overridden(coordinator, fp.coordinator_names)
-            or not _not_overridden(mgr, fp.single_type_names)):
-        return _VLLM
-    num_cached_block = mgr.num_cached_block   # read once: checked, then used
-    if caching:
+    if (type(mgr) is not fp.full_attention_cls
+            or (manager is None and not fp.classes_unchanged())
+            or not _not_overridden(coordinator, entry.coordinator_names)
+            or not _not_overridden(mgr, entry.single_type_names)):
+        return None
+    return mgr
+
+
+cdef struct _Step:
+    # allocate_slots' numbers for one native call (tokens; blocks for the last three)
+    long long new_tokens, lookahead, computed, max_len, block_size, reserved, watermark
+
+
+cdef bint _step_arguments(_Step* s, num_new_tokens, num_new_computed_tokens,
+                          new_computed_blocks, num_lookahead_tokens,
+                          num_external_computed_tokens, delay_cache_blocks,
+                          num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
+                          has_scheduled_reqs):
+    """``allocate_slots``' arguments are those of a running request's step (no new
+    prefix hit, connector or encoder tokens; exact ints and bools), read into ``s``;
+    False for any other call (vLLM's)."""
+    return not (new_computed_blocks is not None
+                or type(num_new_computed_tokens) is not int or num_new_computed_tokens != 0
+                or type(num_external_computed_tokens) is not int
+                or num_external_computed_tokens != 0
+                or type(num_encoder_tokens) is not int or num_encoder_tokens != 0
+                or full_sequence_must_fit is not False
+                or (delay_cache_blocks is not False and delay_cache_blocks is not True)
+                or (has_scheduled_reqs is not False and has_scheduled_reqs is not True)
+                or not _nonneg(num_new_tokens, &s.new_tokens) or s.new_tokens == 0
+                or not _nonneg(num_lookahead_tokens, &s.lookahead)
+                or not _nonneg(reserved_blocks, &s.reserved))
+
+
+cdef bint _running_step(_AllocateSlotsFastPath fp, manager, coordinator, mgr, request,
+                        str request_id, bint has_scheduled_reqs, _Step* s):
+    """The request is a running one whose step the native arithmetic computes (it has a
+    table, no pending copy-on-write block, and the counts vLLM's arithmetic reads are
+    exact ints), its numbers read into ``s``; False otherwise (vLLM's call)."""
+    s.watermark = 0
+    num_cached_block = mgr.num_cached_block
+    if type(coordinator) is fp.coordinator_cls:
         running = type(num_cached_block) is dict and request_id in <dict>num_cached_block
     else:
         # Without prefix caching num_cached_block stays empty; with no computed blocks
@@ -497,29 +552,63 @@ cdef object _allocate_slots_native(self, request, num_new_tokens, num_new_comput
                    and request_id in <dict>req_to_blocks)
     if (not running                                           # not a running request
             or request_id in getattr(mgr, "_partial_hit_reqs", ())  # a pending CoW copy
-            or not _nonneg(mgr.block_size, &block_size) or block_size == 0
-            or not _nonneg(self.max_model_len, &max_len)
-            or not _nonneg(request.num_computed_tokens, &computed)
+            or not _nonneg(mgr.block_size, &s.block_size) or s.block_size == 0
+            or not _nonneg(manager.max_model_len, &s.max_len)
+            or not _nonneg(request.num_computed_tokens, &s.computed)
             # read by vLLM's arithmetic and discarded for this shape (remove_skipped_blocks'
             # in-flight tokens and prompt length, 0.33.0's prefill_end): of another type
             # they make vLLM's raise, so they are vLLM's to read
             or type(request.num_in_flight_tokens) is not int
             or type(request.num_prompt_tokens) is not int):
-        return _VLLM
+        return False
     if has_scheduled_reqs:
         status = request.status
         if type(status) is not fp.status_type:
-            return _VLLM
+            return False
         if status is fp.waiting or status is fp.preempted:
-            if not _nonneg(self.watermark_blocks, &watermark):
-                return _VLLM
-    total = computed if computed < max_len else max_len
-    need = total + new_tokens + lookahead
-    if need > max_len:
-        need = max_len
+            if not _nonneg(manager.watermark_blocks, &s.watermark):
+                return False
+    return True
+
+
+cdef object _allocate_slots_native(self, request, num_new_tokens, num_new_computed_tokens,
+                                   new_computed_blocks, num_lookahead_tokens,
+                                   num_external_computed_tokens, delay_cache_blocks,
+                                   num_encoder_tokens, full_sequence_must_fit,
+                                   reserved_blocks, has_scheduled_reqs, tuple args,
+                                   dict kwargs):
+    """The native path, or _VLLM before any side effect when the call is not its: the
+    arguments (:func:`_step_arguments`), the shared check (:func:`_eligible`), the
+    request (:func:`_running_step`); then vLLM's ``get_num_blocks_to_allocate`` against
+    the free count, ``allocate_new_blocks`` (:func:`_extend_table`), ``cache_blocks``
+    (:func:`_cache_after_step`) and ``create_kv_cache_blocks``."""
+    cdef _AllocateSlotsFastPath fp = _fast_path
+    cdef _Step s
+    cdef long long total, need, to_alloc, free_blocks
+    if (not fp.enabled or args or kwargs
+            or not _step_arguments(&s, num_new_tokens, num_new_computed_tokens,
+                                   new_computed_blocks, num_lookahead_tokens,
+                                   num_external_computed_tokens, delay_cache_blocks,
+                                   num_encoder_tokens, full_sequence_must_fit,
+                                   reserved_blocks, has_scheduled_reqs)):
+        return _VLLM
+    mgr = _eligible(fp, fp.allocate_entry, self, None)
+    if mgr is None:
+        return _VLLM
+    coordinator = self.coordinator
+    request_id = request.request_id
+    if (type(request_id) is not str
+            or not _running_step(fp, self, coordinator, mgr, request, <str>request_id,
+                                 has_scheduled_reqs is True, &s)):
+        return _VLLM
+    total = s.computed if s.computed < s.max_len else s.max_len
+    need = total + s.new_tokens + s.lookahead
+    if need > s.max_len:
+        need = s.max_len
     # coordinator.remove_skipped_blocks: full attention skips no token.
     # coordinator.get_num_blocks_to_allocate (a running request, no new hit):
-    to_alloc = (need + block_size - 1) // block_size - len(mgr.req_to_blocks.get(request_id, ()))
+    to_alloc = ((need + s.block_size - 1) // s.block_size
+                - len(mgr.req_to_blocks.get(request_id, ())))
     if to_alloc < 0:
         to_alloc = 0
     pool = self.block_pool
@@ -532,66 +621,82 @@ cdef object _allocate_slots_native(self, request, num_new_tokens, num_new_comput
         policy = getattr(self.block_pool, "_policy", None)
         if policy is not None:
             policy.expect_tokens(request_id, request.num_prompt_tokens + request.max_tokens)
-    if to_alloc + watermark > free_blocks - reserved:
+    if to_alloc + s.watermark > free_blocks - s.reserved:
         return None
-    # coordinator.allocate_new_blocks -> FullAttentionManager.allocate_new_blocks
-    table = mgr.req_to_blocks[request_id]
-    to_alloc = (need + block_size - 1) // block_size - len(table)
-    new_blocks = None
-    if to_alloc > 0:
-        pool = mgr.block_pool
-        if fp.manager_hooks and getattr(pool, "_kvpool_init", False):
-            # kvpool.patches.manager_hooks._extending_table: the pool knows the table.
-            outer = pool._table_context
-            pool._table_context = (mgr, request_id)
-            try:
-                new_blocks = pool.get_new_blocks(to_alloc)
-            finally:
-                pool._table_context = outer
-        else:
-            new_blocks = pool.get_new_blocks(to_alloc)
-        table.extend(new_blocks)
-        if mgr._record_new_block_ids:
-            ids = []   # (built by hand: tests/repo/test_layout.py, no comprehensions)
-            for b in new_blocks:
-                ids.append(b.block_id)
-            mgr.new_block_ids.extend(ids)
-        new_blocks = [] + new_blocks   # vLLM returns cow_blocks + new_blocks
+    new_blocks = _extend_table(fp, mgr, <str>request_id, need, s.block_size)
     if not delay_cache_blocks:
-        # coordinator.cache_blocks, unless it would cache nothing: each manager caches
-        # at most min(tokens, hashed tokens) // block_size blocks of the request.
-        rt = request.num_tokens
-        if not _nonneg(rt, &request_tokens):
-            coordinator.cache_blocks(request, min(total + new_tokens, rt))
-        else:
-            n_cache = total + new_tokens
-            if request_tokens < n_cache:
-                n_cache = request_tokens
-            if mgr.enable_caching:
-                num_cached_block = mgr.num_cached_block
-                cached = ((<dict>num_cached_block).get(request_id, 0)
-                          if type(num_cached_block) is dict else None)
-                # (FullAttentionManager also caches a partial prompt tail when its
-                # block is larger than the hash block: then every call caches.)
-                if (not _nonneg(cached, &n_cached) or n_cached < n_cache // block_size
-                        or mgr.block_pool.hash_block_size != mgr.block_size):
-                    if not _cache_blocks_native(fp, coordinator, mgr, request, request_id,
-                                                n_cache):
-                        # vLLM's function: what coordinator.cache_blocks resolves to
-                        # (checked above), less the native attempt just made.
-                        fp.vllm_cache_calls += 1
-                        fp.vanilla_cache_blocks(coordinator, request, n_cache)
+        _cache_after_step(fp, coordinator, mgr, request, <str>request_id,
+                          total + s.new_tokens, s.block_size)
     # create_kv_cache_blocks((new_blocks,))
     if not new_blocks:
         return self.empty_kv_cache_blocks
     return fp.manager_module_dict["KVCacheBlocks"]((new_blocks,))
 
 
+cdef object _extend_table(_AllocateSlotsFastPath fp, mgr, str request_id, long long need,
+                          long long block_size):
+    """``coordinator.allocate_new_blocks`` -> ``FullAttentionManager.allocate_new_blocks``
+    for a request whose table must cover ``need`` tokens: the pool's ``get_new_blocks``
+    appended to the table (and to ``new_block_ids`` when the manager records them);
+    returns ``[] + new blocks`` (vLLM's ``cow_blocks + new_blocks``), or None when the
+    table already covers them."""
+    table = mgr.req_to_blocks[request_id]
+    cdef long long to_alloc = (need + block_size - 1) // block_size - len(table)
+    if to_alloc <= 0:
+        return None
+    pool = mgr.block_pool
+    if fp.manager_hooks and getattr(pool, "_kvpool_init", False):
+        # kvpool.patches.manager_hooks._extending_table: the pool knows the table.
+        outer = pool._table_context
+        pool._table_context = (mgr, request_id)
+        try:
+            new_blocks = pool.get_new_blocks(to_alloc)
+        finally:
+            pool._table_context = outer
+    else:
+        new_blocks = pool.get_new_blocks(to_alloc)
+    table.extend(new_blocks)
+    if mgr._record_new_block_ids:
+        ids = []   # (built by hand: tests/repo/test_layout.py, no comprehensions)
+        for b in new_blocks:
+            ids.append(b.block_id)
+        mgr.new_block_ids.extend(ids)
+    return [] + new_blocks   # vLLM returns cow_blocks + new_blocks
+
+
+cdef int _cache_after_step(_AllocateSlotsFastPath fp, coordinator, mgr, request,
+                           str request_id, long long num_tokens,
+                           long long block_size) except -1:
+    """``coordinator.cache_blocks(request, min(num_tokens, request.num_tokens))`` as
+    vLLM's ``allocate_slots`` calls it, natively (:func:`_cache_blocks_native`) where it
+    can, skipped where it would cache nothing: each manager caches at most
+    ``min(tokens, hashed tokens) // block_size`` blocks of the request."""
+    cdef long long request_tokens, n_cache, n_cached
+    rt = request.num_tokens
+    if not _nonneg(rt, &request_tokens):
+        coordinator.cache_blocks(request, min(num_tokens, rt))
+        return 0
+    n_cache = num_tokens if num_tokens < request_tokens else request_tokens
+    if not mgr.enable_caching:
+        return 0
+    num_cached_block = mgr.num_cached_block
+    cached = ((<dict>num_cached_block).get(request_id, 0)
+              if type(num_cached_block) is dict else None)
+    # (FullAttentionManager also caches a partial prompt tail when its block is larger
+    # than the hash block: then every call caches.)
+    if (not _nonneg(cached, &n_cached) or n_cached < n_cache // block_size
+            or mgr.block_pool.hash_block_size != mgr.block_size):
+        if not _cache_blocks_native(fp, coordinator, mgr, request, request_id, n_cache):
+            # vLLM's function: what coordinator.cache_blocks resolves to (checked by
+            # _eligible), less the native attempt just made.
+            fp.vllm_cache_calls += 1
+            fp.vanilla_cache_blocks(coordinator, request, n_cache)
+    return 0
 
 
 def kv_cache_coordinator_cache_blocks(self, request, num_computed_tokens, *args, **kwargs):
     """``KVCacheCoordinator.cache_blocks`` (vllm/v1/core/kv_cache_coordinator.py, vLLM
-    0.30.0-0.33.0) as ``UnitaryKVCacheCoordinator.cache_blocks``: for one full-attention
+    0.30.0-0.34.0) as ``UnitaryKVCacheCoordinator.cache_blocks``: for one full-attention
     group, the blocks of ``request`` that ``num_computed_tokens`` (tokens, including
     those already cached) fill are hashed and inserted into the prefix cache natively
     (see ``_cache_blocks_native``); every other call (another coordinator or manager
@@ -600,15 +705,11 @@ def kv_cache_coordinator_cache_blocks(self, request, num_computed_tokens, *args,
     cdef _AllocateSlotsFastPath fp = _fast_path
     cdef long long n
     if fp.enabled and fp.native_cache and not args and not kwargs \
-            and type(self) is fp.coordinator_cls and _nonneg(num_computed_tokens, &n):
-        managers = self.single_type_managers
-        if type(managers) is tuple and len(<tuple>managers) == 1:
-            mgr = (<tuple>managers)[0]
+            and _nonneg(num_computed_tokens, &n):
+        mgr = _eligible(fp, fp.cache_entry, None, self)
+        if mgr is not None:
             request_id = request.request_id
-            if (type(mgr) is fp.full_attention_cls and type(request_id) is str
-                    and fp.classes_unchanged()
-                    and _not_overridden(self, fp.coordinator_names)
-                    and _not_overridden(mgr, fp.single_type_names)
+            if (type(request_id) is str
                     and _cache_blocks_native(fp, self, mgr, request, <str>request_id, n)):
                 return None
     fp.vllm_cache_calls += 1
@@ -692,29 +793,20 @@ cdef bint _cache_blocks_native(_AllocateSlotsFastPath fp, coordinator, mgr, requ
     effect when the call is vLLM's to make.
 
     Mirrors, for one ``FullAttentionManager`` whose block size is the hash block size
-    and a pool without KV events (vLLM 0.30.0-0.33.0, fingerprinted with the rest):
+    and a pool without KV events (vLLM 0.30.0-0.34.0, fingerprinted with the rest):
     ``KVCacheCoordinator.cache_blocks`` (tokens less ``num_reprefillable_tokens``),
     ``SingleTypeKVCacheManager.cache_blocks`` (``num_full_blocks``; full attention's
     ``reachable_block_mask`` is None), ``BlockPool.cache_full_blocks`` and
-    ``_insert_block_hash`` (each new full block's hash, ``make_block_hash_with_group_id``:
-    the hash and the group id as 4 big-endian bytes, set on the block and inserted into
-    the pool's ``BlockHashToBlockMap``). A block that already has a hash (vLLM's
-    partial-to-full promotion), a block, map, hash or count of another type, an event
-    queue, a pool subclass or a patched pool method: vLLM's code.
+    ``_insert_block_hash`` (:func:`_insert_full_blocks`). A block that already has a
+    hash (vLLM's partial-to-full promotion), a block, map, hash or count of another
+    type, an event queue, a pool subclass or a patched pool method: vLLM's code.
     """
-    cdef long long reprefill, num_tokens, num_cached, num_full, group_id, i, bs, bid
-    cdef Py_ssize_t n_hashes
-    cdef KVCacheBlock blk
-    cdef PyObject* null_o
-    cdef unsigned char suffix_buf[4]
-    cdef list blocks, block_hashes
-    cdef dict cache, num_cached_block
-    dup_ids = None
+    cdef long long reprefill, num_tokens, num_cached, num_full, group_id, bs, hash_bs
     pool = mgr.block_pool
     cache_o = _native_map_cache(fp, pool)
     if (cache_o is None
             or not _nonneg(mgr.block_size, &bs) or bs == 0
-            or not _nonneg(pool.hash_block_size, &i) or i != bs
+            or not _nonneg(pool.hash_block_size, &hash_bs) or hash_bs != bs
             or not _nonneg(coordinator.num_reprefillable_tokens, &reprefill)
             or not _nonneg(mgr.kv_cache_group_id, &group_id)
             or group_id >= (<long long>1 << 32)):
@@ -723,32 +815,42 @@ cdef bint _cache_blocks_native(_AllocateSlotsFastPath fp, coordinator, mgr, requ
         return False
     if fp.check_prefix_cacheable and mgr.kv_cache_spec.prefix_cacheable is not True:
         return False
-    num_cached_block_o = mgr.num_cached_block
-    block_hashes_o = request.block_hashes
-    if type(num_cached_block_o) is not dict or type(block_hashes_o) is not list:
+    num_cached_block = mgr.num_cached_block
+    block_hashes = request.block_hashes
+    if type(num_cached_block) is not dict or type(block_hashes) is not list:
         return False
-    cache = <dict>cache_o
-    num_cached_block = <dict>num_cached_block_o
-    block_hashes = <list>block_hashes_o
     # KVCacheCoordinator.cache_blocks / get_num_cacheable_tokens
     num_tokens = num_computed_tokens - reprefill
     if num_tokens < 0:
         num_tokens = 0
     # SingleTypeKVCacheManager.cache_blocks
-    if not _nonneg(num_cached_block.get(request_id, 0), &num_cached):
+    if not _nonneg((<dict>num_cached_block).get(request_id, 0), &num_cached):
         return False
     num_full = num_tokens // bs
-    n_hashes = len(block_hashes)
-    if num_full > n_hashes:
+    if num_full > len(<list>block_hashes):
         return False        # (0.33.0 caps at the hashed tokens; 0.30.0 would index past them)
     if num_cached >= num_full:
         return True
-    blocks_o = mgr.req_to_blocks.get(request_id)
-    if type(blocks_o) is not list or len(<list>blocks_o) < num_full:
+    blocks = mgr.req_to_blocks.get(request_id)
+    if (type(blocks) is not list or len(<list>blocks) < num_full
+            or not _blocks_cacheable(<list>blocks, <list>block_hashes, num_cached, num_full)):
         return False
-    blocks = <list>blocks_o
-    # Everything the loop reads is checked before anything changes.
-    for i in range(num_cached, num_full):
+    fp.native_cache_calls += 1
+    _insert_full_blocks(fp, pool, <dict>cache_o, request, request_id, <list>blocks,
+                        <list>block_hashes, num_cached, num_full, bs, group_id)
+    (<dict>num_cached_block)[request_id] = num_full
+    return True
+
+
+cdef bint _blocks_cacheable(list blocks, list block_hashes, long long start,
+                            long long stop) except -1:
+    """Every block of ``blocks[start:stop]`` is one :func:`_insert_full_blocks` reads
+    without running Python code: a kvpool block, null or without a hash, whose hash in
+    ``block_hashes`` is bytes and whose id is an int (checked before anything changes)."""
+    cdef KVCacheBlock blk
+    cdef PyObject* null_o
+    cdef long long i
+    for i in range(start, stop):
         b = blocks[i]
         if type(b) is not KVCacheBlock:
             return False
@@ -762,13 +864,34 @@ cdef bint _cache_blocks_native(_AllocateSlotsFastPath fp, coordinator, mgr, requ
                 or type(block_hashes[i]) is not bytes or blk._block_id_o is NULL
                 or type(<object>blk._block_id_o) is not int):
             return False
-    suffix_buf[0] = (group_id >> 24) & 0xFF
-    suffix_buf[1] = (group_id >> 16) & 0xFF
-    suffix_buf[2] = (group_id >> 8) & 0xFF
-    suffix_buf[3] = group_id & 0xFF
-    suffix = PyBytes_FromStringAndSize(<const char*>suffix_buf, 4)
-    fp.native_cache_calls += 1
-    for i in range(num_cached, num_full):
+    return True
+
+
+cdef bytes _group_suffix(long long group_id):
+    """``make_block_hash_with_group_id``'s suffix: the group id as 4 big-endian bytes."""
+    cdef unsigned char buf[4]
+    buf[0] = (group_id >> 24) & 0xFF
+    buf[1] = (group_id >> 16) & 0xFF
+    buf[2] = (group_id >> 8) & 0xFF
+    buf[3] = group_id & 0xFF
+    return PyBytes_FromStringAndSize(<const char*>buf, 4)
+
+
+cdef int _insert_full_blocks(_AllocateSlotsFastPath fp, pool, dict cache, request,
+                             str request_id, list blocks, list block_hashes,
+                             long long start, long long num_full, long long bs,
+                             long long group_id) except -1:
+    """``BlockPool.cache_full_blocks`` / ``_insert_block_hash`` for ``blocks[start:
+    num_full]`` (checked by :func:`_blocks_cacheable`): each non-null block's key (its
+    hash + the group suffix) set on the block and inserted into the pool's map
+    (``cache``: its ``_cache``), block by block, as vLLM's loop does without events or
+    mask. Where a block or map entry is one this cannot read without running Python
+    code, vLLM's own ``cache_full_blocks`` does the rest of the blocks."""
+    cdef KVCacheBlock blk
+    cdef long long i
+    dup_ids = None
+    suffix = _group_suffix(group_id)
+    for i in range(start, num_full):
         # (Re-read: a finalizer run by the garbage collector while this loop creates a
         # dict could have changed the lists; none does in vLLM.)
         if (i >= len(blocks) or i >= len(block_hashes) or type(blocks[i]) is not KVCacheBlock
@@ -797,33 +920,41 @@ cdef bint _cache_blocks_native(_AllocateSlotsFastPath fp, coordinator, mgr, requ
             blk._block_hash = key
             blk._block_hash_num_tokens = (i + 1) * bs
             _insert_block_id(cache, <dict>dup_ids, key, block_id)
-            continue
-        # BlockHashToBlockMap.contain (kvpool.block_pool): already there -> skipped
-        entry = cache.get(key)
-        entry_id = None
-        if entry is not None and type(entry) is not dict:
-            entry_id = _block_id(<KVCacheBlock>entry) if type(entry) is KVCacheBlock else None
-            if type(entry_id) is not int:
-                # An entry this loop cannot read without running Python code (which
-                # could change the table it walks): vLLM's own code for the rest.
-                pool.cache_full_blocks(request, blocks, i, num_full, bs, group_id)
-                break
-        if entry is not None:
-            if type(entry) is dict:
-                if block_id in <dict>entry:
-                    continue
-            elif entry_id == block_id:
-                continue
-        # KVCacheBlock.set_block_hash, then BlockHashToBlockMap.insert
-        blk._block_hash = key
-        blk._block_hash_num_tokens = (i + 1) * bs
-        if entry is None:
-            cache[key] = blk
-        elif type(entry) is dict:
-            (<dict>entry)[block_id] = blk
-        else:
-            cache[key] = {entry_id: entry, block_id: blk}
-    num_cached_block[request_id] = num_full
+        elif not _insert_block(cache, key, blk, block_id, (i + 1) * bs):
+            # An entry this loop cannot read without running Python code (which could
+            # change the table it walks): vLLM's own code for the rest.
+            pool.cache_full_blocks(request, blocks, i, num_full, bs, group_id)
+            break
+    return 0
+
+
+cdef bint _insert_block(dict cache, bytes key, KVCacheBlock blk, block_id,
+                        long long num_tokens) except -1:
+    """vLLM 0.30.0-0.33.0's ``_insert_block_hash`` of a block without a hash into a map
+    of blocks (``cache``: key -> block, or -> {block id: block}): skipped when the key
+    already holds it (``BlockHashToBlockMap.contain``), else ``set_block_hash`` and
+    ``insert``. False, nothing changed, for an entry of another type."""
+    entry = cache.get(key)
+    entry_id = None
+    if entry is not None and type(entry) is not dict:
+        entry_id = _block_id(<KVCacheBlock>entry) if type(entry) is KVCacheBlock else None
+        if type(entry_id) is not int:
+            return False
+    if entry is not None:
+        if type(entry) is dict:
+            if block_id in <dict>entry:
+                return True
+        elif entry_id == block_id:
+            return True
+    # KVCacheBlock.set_block_hash, then BlockHashToBlockMap.insert
+    blk._block_hash = key
+    blk._block_hash_num_tokens = num_tokens
+    if entry is None:
+        cache[key] = blk
+    elif type(entry) is dict:
+        (<dict>entry)[block_id] = blk
+    else:
+        cache[key] = {entry_id: entry, block_id: blk}
     return True
 
 

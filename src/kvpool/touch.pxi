@@ -1,5 +1,46 @@
 # Included by _core.pyx: BlockPool.touch.
 
+cdef inline int _touch_one(PyObject* o, FreeKVCacheBlockQueue queue, int32_t* removed,
+                           Py_ssize_t* nremoved, Py_ssize_t* n01, kvpool_refbatch* rb,
+                           kvpool_refjournal* jn, Py_ssize_t k):
+    # One block of pool_touch off its common case (a null block, another ref_cnt, a
+    # bad field): E_NONE when it is done (a removal from the free queue recorded in
+    # removed[3 * nremoved ...], a 0 -> 1 counted in n01), else the error; the caller
+    # undoes what its loop did. Runs no Python code.
+    cdef PyObject* p
+    cdef long refs = 0
+    cdef int32_t slot
+    cdef int32_t capacity = queue._list.capacity()
+    if not isinstance(<object>o, KVCacheBlock):
+        return E_NOT_BLOCK
+    p = (<KVCacheBlock>o)._is_null_o
+    if p != kvpool_false():
+        return E_NONE if p == kvpool_true() else E_NULL_FIELD
+    p = (<KVCacheBlock>o)._ref_cnt_o
+    if p == kvpool_si_obj(0):
+        refs = 0
+    elif not _read_refs(o, &refs):
+        return E_REF_FIELD
+    if refs == 0:
+        slot = (<KVCacheBlock>o)._slot
+        if (<PyObject*>(<KVCacheBlock>o)._queue != <PyObject*>queue
+                or not (0 <= slot < capacity)):
+            return E_TOUCH_FOREIGN
+        if not queue._list.contains_unchecked(slot):
+            return E_TOUCH_NOT_FREE
+        removed[3 * nremoved[0]] = slot
+        queue._list.remove_recording(slot, &removed[3 * nremoved[0] + 1],
+                                     &removed[3 * nremoved[0] + 2])
+        nremoved[0] += 1
+        if p == kvpool_si_obj(0):
+            (<KVCacheBlock>o)._ref_cnt_o = kvpool_si_obj(1)  # the common case, counted in n01
+            n01[0] += 1
+            return E_NONE
+    if refs == LONG_MAX:
+        return E_OVERFLOW
+    return _put_refs_kept(o, refs + 1, rb, jn, k)  # (a recorded removal is undone by the caller)
+
+
 def pool_touch(FreeKVCacheBlockQueue queue not None, object blocks):
     """``BlockPool.touch``: ``ref_cnt += 1``; a block with ``ref_cnt == 0`` (an
     eviction candidate) is first removed from the free queue. Null blocks are skipped.
@@ -14,14 +55,11 @@ def pool_touch(FreeKVCacheBlockQueue queue not None, object blocks):
     cdef list seq = _source(blocks, &start, &step, &n)
     cdef PyObject** items = kvpool_list_items(<PyObject*>seq) + start
     cdef PyObject* o
-    cdef PyObject* p
-    cdef PyObject* true_ = kvpool_true()
     cdef PyObject* false_ = kvpool_false()
     cdef PyObject* zero = kvpool_si_obj(0)
     cdef PyObject* one = kvpool_si_obj(1)
     cdef long refs = 0
     cdef int32_t slot
-    cdef int32_t capacity = queue._list.capacity()
     cdef int err = E_NONE
     cdef int32_t* removed  # (slot, prev node, next node) triples, for the undo
     cdef kvpool_refbatch rb
@@ -30,7 +68,7 @@ def pool_touch(FreeKVCacheBlockQueue queue not None, object blocks):
     cdef PyObject* queue_o = <PyObject*>queue
     cdef void* block_type = <void*>KVCacheBlock
     cdef const int32_t* free_marks = queue._list.free_marks()
-    cdef uint32_t ucapacity = <uint32_t>capacity
+    cdef uint32_t ucapacity = <uint32_t>queue._list.capacity()
     if n == 0:
         return
     queue._scratch.resize(3 * n)
@@ -60,43 +98,7 @@ def pool_touch(FreeKVCacheBlockQueue queue not None, object blocks):
                 n01 += 1
                 k += 1
                 continue
-        if not isinstance(<object>o, KVCacheBlock):
-            err = E_NOT_BLOCK
-            break
-        p = (<KVCacheBlock>o)._is_null_o
-        if p != false_:
-            if p == true_:
-                k += 1
-                continue
-            err = E_NULL_FIELD
-            break
-        p = (<KVCacheBlock>o)._ref_cnt_o
-        if p == zero:
-            refs = 0
-        elif not _read_refs(o, &refs):
-            err = E_REF_FIELD
-            break
-        if refs == 0:
-            slot = (<KVCacheBlock>o)._slot
-            if (<PyObject*>(<KVCacheBlock>o)._queue != <PyObject*>queue
-                    or not (0 <= slot < capacity)):
-                err = E_TOUCH_FOREIGN
-                break
-            if not queue._list.contains_unchecked(slot):
-                err = E_TOUCH_NOT_FREE
-                break
-            removed[3 * nremoved] = slot
-            queue._list.remove_recording(slot, &removed[3 * nremoved + 1], &removed[3 * nremoved + 2])
-            nremoved += 1
-            if p == zero:
-                (<KVCacheBlock>o)._ref_cnt_o = one  # the common case, counted in n01
-                n01 += 1
-                k += 1
-                continue
-        if refs == LONG_MAX:
-            err = E_OVERFLOW
-            break
-        err = _put_refs_kept(o, refs + 1, &rb, &jn, k)  # (a recorded removal is undone below)
+        err = _touch_one(o, queue, removed, &nremoved, &n01, &rb, &jn, k)
         if err != E_NONE:
             break
         k += 1

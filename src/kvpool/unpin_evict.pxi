@@ -44,6 +44,39 @@ cdef void _restore_watchers(object reuse_watchers, list blist, list saved, Py_ss
             pass
 
 
+cdef int _unpin_decrement(list blist, FreeKVCacheBlockQueue queue, vector[int32_t]& released,
+                          kvpool_refbatch* rb, kvpool_refjournal* jn, Py_ssize_t* at):
+    # Step 3 of pool_unpin_blocks: check every block of blist again and decrement it,
+    # the slots of those reaching 0 appended to `released` (reserved: cannot
+    # allocate). No Python code runs. Returns E_NONE, or the error with at[0] the
+    # failing index and every decrement undone, last first (the journal gives back
+    # replaced ref_cnt objects: nothing is allocated), rb flushed.
+    cdef Py_ssize_t n = PyList_GET_SIZE(blist), i = 0, j
+    cdef PyObject* o
+    cdef long refs = 0
+    cdef int err = E_NONE
+    while i < n:
+        o = PyList_GET_ITEM(blist, i)
+        err = _unpin_check(o, queue, &refs)
+        if err == E_NONE:
+            err = _put_refs_kept(o, refs - 1, rb, jn, i)
+        if err != E_NONE:
+            break
+        if refs == 1:
+            released.push_back((<KVCacheBlock>o)._slot)
+        i += 1
+    at[0] = i
+    if err != E_NONE:
+        j = i - 1
+        while j >= 0:
+            o = PyList_GET_ITEM(blist, j)
+            _read_refs(o, &refs)
+            _undo_refs(o, refs + 1, rb, jn, j)
+            j -= 1
+        _flush(rb)
+    return err
+
+
 def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,
                       object reuse_watchers, object on_reuse, object pool=None):
     """``BlockPool.unpin_blocks`` (vLLM 0.33.0): ``ref_cnt -= 1``, register ``on_reuse``
@@ -116,28 +149,9 @@ def pool_unpin_blocks(FreeKVCacheBlockQueue queue not None, object blocks,
         #    change under the loop).
         kvpool_refbatch_init(&rb)
         _journal_init(&jn, kept.data(), kept_idx.data())
-        i = 0
-        while i < n:
-            o = PyList_GET_ITEM(blist, i)
-            err = _unpin_check(o, queue, &refs)
-            if err == E_NONE:
-                err = _put_refs_kept(o, refs - 1, &rb, &jn, i)
-            if err != E_NONE:
-                break
-            if refs == 1:
-                released.push_back((<KVCacheBlock>o)._slot)  # (reserved: cannot allocate)
-            i += 1
+        err = _unpin_decrement(blist, queue, released, &rb, &jn, &i)
         if err != E_NONE:
-            # Undo the decrements, last first (the journal gives back replaced ref_cnt
-            # objects: nothing is allocated), then the watchers.
-            j = i - 1
-            while j >= 0:
-                o = PyList_GET_ITEM(blist, j)
-                _read_refs(o, &refs)
-                _undo_refs(o, refs + 1, &rb, &jn, j)
-                j -= 1
-            _flush(&rb)
-            _restore_watchers(reuse_watchers, blist, saved, n)
+            _restore_watchers(reuse_watchers, blist, saved, n)  # (the decrements are undone)
     if err != E_NONE:
         if stale:
             # Nothing changed: adopt the pool's blocks that its replaced queue holds,

@@ -110,3 +110,77 @@ def test_public_exceptions_are_defined_in_errors_py():
             if any(b.endswith(("Error", "Exception", "Unavailable")) or b == "KvpoolError" for b in bases):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}: class {node.name}")
     assert not found, "define these in python/kvpool/errors.py:\n" + "\n".join(found)
+
+
+#: The size limit of a function of the extension (src/kvpool/*.pxi): its phases are
+#: named functions (the native manager path's eligibility check, a loop's common case,
+#: its undo) rather than one body a reader scrolls through.
+MAX_PXI_FUNCTION_LINES = 100
+
+# A def/cdef/cpdef function's first line (not a cdef class, extern block, struct, enum
+# or a variable declaration, which have no parameter list before their colon).
+_PXI_DEF = re.compile(r"^(\s*)(?:cpdef|cdef|def)\s+(?!class\b|extern\b|struct\b|enum\b|union\b|packed\b)")
+
+
+def pxi_functions(text: str) -> list[tuple[str, int, int]]:
+    """``(name, first line, lines)`` of every def/cdef/cpdef function of a .pxi source: from
+    its ``def`` line to the last non-blank line of its body (docstring and comments
+    included; the body ends at the first non-blank line indented no deeper than the
+    ``def``)."""
+    lines = text.splitlines()
+    found = []
+    for start, line in enumerate(lines):
+        match = _PXI_DEF.match(line)
+        if not match:
+            continue
+        signature, end, depth = "", start, 0
+        while end < len(lines):
+            code = lines[end].split("#", 1)[0]
+            signature += code
+            depth += code.count("(") - code.count(")")
+            if depth <= 0 and code.rstrip().endswith(":"):
+                break
+            if depth <= 0 and not code.rstrip().endswith((",", "(", "\\")):
+                end = len(lines)  # a declaration, not a function
+            end += 1
+        name = re.match(r"[^(=]*?(\w+)\s*\(", signature)
+        if end >= len(lines) or name is None:
+            continue
+        indent, last = len(match.group(1)), end
+        for k in range(end + 1, len(lines)):
+            if lines[k].strip():
+                if len(lines[k]) - len(lines[k].lstrip()) <= indent:
+                    break
+                last = k
+        found.append((name.group(1), start + 1, last - start + 1))
+    return found
+
+
+def test_pxi_function_length_is_measured():
+    source = (
+        "cdef object _x = object()\n"
+        "cdef inline bint f(object a,\n"
+        "                   long b) except -1:\n"
+        "    # one\n"
+        "\n"
+        "    return True\n"
+        "\n"
+        "cdef class C:\n"
+        "    cdef int n\n"
+        "    def g(self):\n"
+        "        pass\n"
+        "h = 1\n"
+    )
+    assert pxi_functions(source) == [("f", 2, 5), ("g", 10, 2)]
+
+
+def test_pxi_functions_stay_small():
+    too_long = []
+    measured = 0
+    for path in sorted(SRC.glob("*.pxi")):
+        for name, line, length in pxi_functions(path.read_text()):
+            measured += 1
+            if length > MAX_PXI_FUNCTION_LINES:
+                too_long.append(f"src/kvpool/{path.name}:{line} {name}(): {length} lines")
+    assert measured > 100, "no .pxi functions found"
+    assert not too_long, "over the limit:\n" + "\n".join(too_long)
