@@ -32,6 +32,9 @@
 # Each interpreter and architecture builds in its own folder, build/wheel-<tag>[-<arch>]
 # (tools in build/wheel-<tag>/tools); the first build for an architecture also compiles
 # Zig's libc++ for it (about 2 minutes on 2 cores, then cached).
+case "${1:-}" in
+  -h|--help) sed -n '2,34p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0;;
+esac
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 archs="${KVPOOL_WHEEL_ARCHS:-x86_64 aarch64}"
 for arch in $archs; do

@@ -170,7 +170,7 @@ VARIABLES: dict[str, Variable] = {
 
 #: ``KVPOOL_*`` variables of the scripts and tests (never read by the package).
 SCRIPT_VARIABLES: dict[str, str] = {
-    VLLM_VERSION: "scripts/bootstrap.sh: the vLLM release of the environment (default 0.33.0)",
+    VLLM_VERSION: "scripts/bootstrap.sh: the vLLM release of the environment (default 0.34.0)",
     VENV: "scripts/bootstrap.sh: the environment's folder (default .venv)",
     "KVPOOL_TORCH_VERSION": "scripts/bootstrap.sh: the torch version (default 2.13.0)",
     "KVPOOL_WHEEL": "scripts/bootstrap.sh: install this wheel instead of the editable build",

@@ -106,3 +106,14 @@ def test_relative_links_resolve(path: Path) -> None:
         if not linked.exists() or anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
             broken.append(target)
     assert not broken, f"{path.relative_to(ROOT)}: {broken}"
+
+
+def test_every_setting_is_documented():
+    """docs/usage.md names every ``KVPOOL_*`` setting ``kvpool/envs.py`` declares (the ones
+    ``python -m kvpool info`` prints)."""
+    envs = (ROOT / "python" / "kvpool" / "envs.py").read_text(encoding="utf-8")
+    declared = re.findall(r'^[A-Z_]+ = "(KVPOOL_\w+)"$', envs, flags=re.MULTILINE)
+    assert len(declared) >= 10, declared
+    usage = (ROOT / "docs" / "usage.md").read_text(encoding="utf-8")
+    missing = [name for name in declared if f"`{name}`" not in usage]
+    assert not missing, f"docs/usage.md does not describe {missing}"
