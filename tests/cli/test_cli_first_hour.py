@@ -134,8 +134,9 @@ def _synthetic_report(n=20, collapse_at=14):
 def test_verdict_says_what_collapsed_what_held_and_by_how_much():
     lines = report.verdict(_synthetic_report())
     assert lines == [
-        ("verdict: collapsed: vanilla, kvpool (prompt contiguity 1.000 -> 0.000, below 0.99 from round 14 of 20); "
-         "held: kvpool+reorder (min 1.000), kvpool+contiguous (min 1.000) over 20 rounds."),
+        ("verdict: collapsed: vanilla, kvpool (vLLM order, by design) (prompt contiguity 1.000 -> 0.000, "
+         "below 0.99 from round 14 of 20); held: kvpool+reorder (min 1.000), kvpool+contiguous (min 1.000) "
+         "over 20 rounds."),
         ("         hits/evictions/preemptions = vanilla's in every round for kvpool, kvpool+reorder, "
          "kvpool+contiguous; scheduler CPU per step 0.97-1.02x vanilla's."),
     ]
@@ -253,3 +254,11 @@ def test_replay_prints_the_answer_first_and_per_round_tables_only_when_asked():
     assert "desc." not in texts[True]   # (no header that reads as descending or descriptors)
     args = build_parser().parse_args(["--tables"])
     assert args.tables and not build_parser().parse_args([]).tables
+
+
+def test_small_ratios_keep_their_digits():
+    """A 430-fold drop in descriptors reads 0.0023x, not 0.00x."""
+    cell = report._ratio("prompt_descriptors_ratio_vs_vanilla")
+    assert cell(None, None, {"prompt_descriptors_ratio_vs_vanilla": 1.8 / 778.0}) == "0.0023x"
+    assert cell(None, None, {"prompt_descriptors_ratio_vs_vanilla": 0.76}) == "0.76x"
+    assert cell(None, None, {"prompt_descriptors_ratio_vs_vanilla": 12.0}) == "12.00x"

@@ -162,7 +162,12 @@ def _scaled(key: str, factor: float, fmt: str):
 
 
 def _ratio(key: str):
-    return lambda m, r, c: _f(c.get(key), "{:.2f}x")
+    """``comparison[mode][key]`` as a ratio: two decimals, or two significant digits below
+    0.1 (a 430-fold drop reads 0.0023x, not 0.00x)."""
+    def cell(m, r, c):
+        v = c.get(key)
+        return _f(v, "{:.2g}x" if isinstance(v, (int, float)) and 0 < v < 0.1 else "{:.2f}x")
+    return cell
 
 
 def _summary_rows(modes: dict[str, Any], comparison: dict[str, Any], deferred: bool,
@@ -229,7 +234,7 @@ def _summary_table(modes: dict[str, Any], comparison: dict[str, Any], deferred: 
              for label, fn in _summary_rows(modes, comparison, deferred, continuous)]
     # Cells wrap between words when the console is narrow, never inside one: each
     # column is at least as wide as its longest word, so no value is cut to "1409…".
-    s = Table(title="per mode, all rounds", title_justify="left")
+    s = Table(title="per mode, all rounds (terms: docs/replay.md, \"What is measured\")", title_justify="left")
     s.add_column("", overflow="fold", min_width=min(12, _longest_word(x[0] for x in cells)))
     for k, m in enumerate(modes, start=1):
         s.add_column(_mode_head(m), justify="right", overflow="fold",
@@ -360,7 +365,9 @@ def verdict(report: dict[str, Any]) -> list[str]:
         what = (f"{series[0][1]:.3f} -> {low:.3f}, below {HELD_CONTIGUITY} from round {first_low} "
                 f"of {len(r['rounds'])}")
         collapsed.setdefault(what, []).append(m)
-    parts = [f"collapsed: {', '.join(ms)} (prompt contiguity {what})" for what, ms in collapsed.items()]
+    # "kvpool" is kvpool's default policy: vLLM's allocation order, by design.
+    parts = [f"collapsed: {', '.join('kvpool (vLLM order, by design)' if m == 'kvpool' else m for m in ms)} "
+             f"(prompt contiguity {what})" for what, ms in collapsed.items()]
     if held:
         n = max(len(r["rounds"]) for r in modes.values())
         parts.append(f"held: {', '.join(held)} over {n} rounds")
