@@ -41,6 +41,13 @@ TARGETS = {
     # 1.56-2.33x (contiguous 1.78-1.89x), long_sequential 1.17-1.26x (1.07-1.14x; 15
     # rounds: 1.13x, 1.14x), pd_async 1.22-2.36x (1.40-1.57x), pd_prefill 2.79-2.89x
     # (2.12-2.81x), serving 1.52-1.60x (1.37-1.65x).
+    # pd-serving through the real NIXL (benchmarks/test_pd_serving_nixl_bench.py): not a
+    # time but NIXL's descriptors (descCount summed) over the prompts transferred in a
+    # window after both pools wrap, vanilla's / kvpool+contiguous's, the median of 3
+    # windows. A count: the same on every machine and run. On 2026-12-04 (vLLM 0.34.0,
+    # NIXL 1.5.1): 2.74x (windows 4.30x, 2.66x, 2.74x); the gate keeps contiguous's count
+    # at most half of vanilla's.
+    "pd_serving_nixl_desc_contiguous": 2.0,
     **{f"replay_{w}{suffix}": 1.0
        for w in ("grpo", "long_sequential", "pd_async", "pd_prefill", "serving")
        for suffix in ("", "_contiguous")},

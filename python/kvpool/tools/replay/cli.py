@@ -22,7 +22,7 @@ from kvpool.tools.replay.engine import PoolSpec
 from kvpool.tools.replay.modes import MODES, get as get_mode
 from kvpool.tools.replay.results import RunConfig
 from kvpool.tools.replay.traces import from_trace, truncate_rounds
-from kvpool.tools.replay.workloads import WORKLOADS, Workload
+from kvpool.tools.replay.workloads import WORKLOADS, Workload, as_pd_serving
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -78,6 +78,10 @@ DESCRIPTION = (
 )
 
 
+#: ``--num-blocks`` of the workloads whose default is not 85,000 blocks.
+DEFAULT_NUM_BLOCKS = {"pd-serving": 24_000}
+
+
 def _models() -> list[str]:
     from kvpool.tools.hf_offline import shipped_models
 
@@ -94,7 +98,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     """The replay's options (docs/replay.md)."""
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="grpo",
                    help="built-in workload (default: grpo, the RFC's GRPO rollout shape; serving: "
-                   "never idle, rounds are windows of engine steps)")
+                   "never idle, rounds are windows of engine steps; pd-serving: the same as P/D, both sides "
+                   "continuous; with --trace: a continuous trace as pd-serving)")
     p.add_argument("--trace", metavar="FILE.jsonl",
                    help="replay a JSON-lines trace instead of a built-in workload (docs/replay.md)")
     p.add_argument("--modes", type=_modes, default=MODES,
@@ -118,8 +123,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory-gib", type=cliargs.positive_float, metavar="X",
                    help="with --model: KV cache memory in GiB, which vLLM divides into blocks "
                    "(default: --num-blocks blocks)")
-    p.add_argument("--num-blocks", type=cliargs.positive_int, default=85_000,
-                   help="KV blocks in the pool (default 85000)")
+    p.add_argument("--num-blocks", type=cliargs.positive_int,
+                   help="KV blocks in the pool (default 85000; pd-serving: 24000 on each side, so that both wrap)")
     p.add_argument("--block-size", type=cliargs.positive_int,
                    help="tokens per block (default 32; with --model: vLLM's --block-size, default the attention "
                    "backend's preferred size, raised by vLLM for hybrid models)")
@@ -142,7 +147,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="with --json: keep every round's per-request block tables (prompt and final) "
                    "in the JSON, for `python -m kvpool locality --replay-tables`")
     p.add_argument("--nixl", action="store_true",
-                   help="--workload pd: also read every prompt prefill -> decode through the real NIXL "
+                   help="--workload pd or pd-serving: also read every prompt prefill -> decode through the real NIXL "
                    "(two agents, UCX over loopback TCP) and report NIXL's descriptor count and posting "
                    "time (needs NIXL: pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)")
     p.add_argument("--tables", "-v", action="store_true",
@@ -158,6 +163,11 @@ def make_workload(args: argparse.Namespace) -> Workload:
         wl = from_trace(args.trace, scale=args.scale, window_steps=args.window_steps or 1000)
         if args.rounds is not None:
             wl = truncate_rounds(wl, args.rounds)
+        if args.workload == "pd-serving":  # the trace's stream on both sides of P/D
+            try:
+                wl = as_pd_serving(wl)
+            except ValueError as e:
+                raise SystemExit(f"replay: --workload pd-serving --trace: {e} (a trace without 'round')") from None
     else:
         kwargs: dict[str, Any] = {"scale": args.scale, "seed": args.seed}
         if args.rounds is not None:
@@ -170,8 +180,9 @@ def make_workload(args: argparse.Namespace) -> Workload:
         for key, value in serving_only.items():
             if value is None:
                 continue
-            if args.workload != "serving":
-                raise SystemExit(f"replay: --{key.replace('_', '-')} applies to --workload serving and traces")
+            if args.workload not in ("serving", "pd-serving"):
+                raise SystemExit(f"replay: --{key.replace('_', '-')} applies to --workload serving, pd-serving "
+                                 "and traces")
             kwargs[key] = value
         wl = WORKLOADS[args.workload](**kwargs)
     engine_args = {"model": getattr(args, "model", None), "hf_overrides": getattr(args, "hf_overrides", None),
@@ -318,6 +329,8 @@ def _write_outputs(out: dict[str, Any], args: argparse.Namespace, json_path: Pat
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Reject contradicting options and unwritable outputs before any work starts; sets
     ``args.json_path`` and ``args.plot_path``."""
+    if args.num_blocks is None:
+        args.num_blocks = DEFAULT_NUM_BLOCKS.get(getattr(args, "workload", None), 85_000)
     if args.num_blocks < 2:
         parser.error("argument --num-blocks: expected an integer >= 2")
     if getattr(args, "model", None) is None:

@@ -18,6 +18,7 @@ from kvpool.tools.replay import metrics, modes as _modes
 from kvpool.tools.replay.engine import PoolSpec, build_scheduler
 from kvpool.tools.replay.loop import iter_stream, run_round
 from kvpool.tools.replay.modes import Mode, ModeUnavailable
+from kvpool.tools.replay.pd_stream import iter_pd_stream
 from kvpool.tools.replay.probe import RoundProbe
 from kvpool.tools.replay.results import ModeInfo, ModeResult, RoundResult
 from kvpool.tools.replay.workloads import Workload
@@ -122,6 +123,10 @@ class ModeRun:
 
     def _run(self, workload: Workload, pool: PoolSpec, seed: int, scheduler,
              reorder: Callable[[], bool] | None, save_tables: bool) -> Iterator[RoundResult]:
+        if workload.continuous and self._side is not None:  # pd-serving: both sides, one stream
+            self.info.drain = yield from iter_pd_stream(self._side, scheduler, workload, seed, pool,
+                                                        save_tables=save_tables, nixl=self._nixl)
+            return
         probe = RoundProbe(scheduler, per_group=pool.resolved)
         if workload.continuous:
             self.info.drain = yield from iter_stream(scheduler, probe, workload, seed, pool,
@@ -232,7 +237,7 @@ def run_replay(workload: Workload, pool: PoolSpec, modes: tuple[str, ...] = _mod
     transfer = None
     if nixl:
         if workload.prefill is None:
-            raise ValueError("--nixl needs a P/D workload (--workload pd): the prompts it moves are "
+            raise ValueError("--nixl needs a P/D workload (--workload pd or pd-serving): the prompts it moves are "
                              "the prefill side's")
         from kvpool.tools.replay.nixl import NixlTransfer
 

@@ -300,15 +300,37 @@ def pd(**kwargs: Any) -> Workload:
     Each prompt's KV moves from its prefill-side table to its decode-side table: one
     descriptor per run in which both ascend together (docs/replay.md, "P/D")."""
     decode = pd_async(**kwargs)
+    return with_prefill_side(decode, "pd", decode.engine)
+
+
+def with_prefill_side(decode: Workload, name: str, engine: EngineSpec) -> Workload:
+    """``decode`` named ``name`` on ``engine`` (the decode side), with its prefill side:
+    the same requests to their first token, prefix caching and chunked prefill on."""
     max_model_len = decode.max_model_len()
-    decode = replace(decode, name="pd", engine=replace(decode.engine, max_model_len=max_model_len),
+    decode = replace(decode, name=name, engine=replace(engine, max_model_len=max_model_len),
                      description="P/D, both sides: " + decode.description)
     prefill_engine = EngineSpec(enable_prefix_caching=True, enable_chunked_prefill=True,
                                 max_num_batched_tokens=8192, max_model_len=max_model_len)
-    decode.prefill = replace(decode, name="pd-prefill", engine=prefill_engine,
+    decode.prefill = replace(decode, name=f"{name}-prefill", engine=prefill_engine,
                              requests=[replace(r, output_len=1) for r in decode.requests],
                              description="P/D prefill side: the requests to their first token")
     return decode
+
+
+def pd_serving(**kwargs: Any) -> Workload:
+    """:func:`serving` (same arguments) as P/D, both sides continuous: the prefill side
+    the requests to their first token, the decode side a ``DecodeBenchConnector``
+    consumer under async scheduling, each prompt arriving there when its prefill is done
+    (:mod:`kvpool.tools.replay.pd_stream`). Defaults: 6 windows of 500 steps."""
+    return as_pd_serving(serving(**{"rounds": 6, "window_steps": 500, **kwargs}))
+
+
+def as_pd_serving(stream: Workload) -> Workload:
+    """A continuous workload (``serving``, a trace) as ``pd-serving``; ValueError if not."""
+    if not stream.continuous:
+        raise ValueError(f"{stream.name} is not continuous: pd-serving needs a stream")
+    return with_prefill_side(stream, "pd-serving", replace(
+        stream.engine, async_scheduling=True, kv_connector="DecodeBenchConnector", kv_role="kv_consumer"))
 
 
 #: Engine of continuous (serving) workloads: chunked prefill with vLLM's usual
@@ -474,4 +496,5 @@ def serving(
     )
 
 
-WORKLOADS = {"grpo": grpo, "long-sequential": long_sequential, "pd-async": pd_async, "pd": pd, "serving": serving}
+WORKLOADS = {"grpo": grpo, "long-sequential": long_sequential, "pd-async": pd_async, "pd": pd, "serving": serving,
+             "pd-serving": pd_serving}
