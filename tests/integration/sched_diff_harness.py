@@ -21,7 +21,7 @@ engine step (JSON, keys sorted) of what the step shows:
 The first line names the side's pool class and whether kvpool's native
 ``KVCacheManager.allocate_slots`` is bound (not compared); the last is ``{"end": ...}``
 with the coverage counts. One deliberate difference of kvpool's is modelled on the
-vanilla side: see :func:`_deferred_free_by_group`.
+vanilla side: see :func:`build_scheduler` (``free_order.defer_by_group``).
 
 Episodes (seeded) vary: block size, pool size (small: preemption and eviction wrap the
 pool), 1-3 KV cache groups (full attention, sliding window, chunked local attention),
@@ -49,7 +49,6 @@ import json
 import os
 import random
 import sys
-import types
 from collections import Counter, deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -174,25 +173,10 @@ def _use_eagle(scheduler, lookahead: int) -> None:
         cdiv(tokens, m.block_size) for m in scheduler.kv_cache_manager.coordinator.single_type_managers)
 
 
-def _deferred_free_by_group(self, request) -> None:
-    """``Scheduler._free_request_blocks`` deferring each KV cache group as an entry of
-    its own, which the drain frees reversed: the immediate path's calls, later. vLLM
-    0.33.0 queues the groups flattened (one reversed ``free_blocks`` call: group B's
-    blocks before group A's); kvpool frees as the immediate path does (README,
-    docs/design.md), so the vanilla side of a multi-group async episode runs this."""
-    if self._request_blocks_can_be_freed(request):
-        self.kv_cache_manager.free(request)
-        return
-    for manager in self.kv_cache_manager.coordinator.single_type_managers:
-        blocks = manager.pop_blocks_for_free(request.request_id)
-        if blocks:
-            self.deferred_frees.append((self.sched_step_seq, blocks))
-
-
 def build_scheduler(ep: Episode, side: str):
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    from kvpool.tools.replay import engine
+    from kvpool.tools.replay import engine, free_order
     from tests.support.scheduler import kv_cache_groups
 
     groups = kv_cache_groups(ep.block_size, ep.num_groups, ep.window_blocks)
@@ -201,7 +185,11 @@ def build_scheduler(ep: Episode, side: str):
     if ep.async_consumer and not scheduler.defer_block_free:
         raise RuntimeError("async episode without deferred block frees")
     if ep.async_consumer and ep.num_groups > 1 and side == "vanilla":
-        scheduler._free_request_blocks = types.MethodType(_deferred_free_by_group, scheduler)
+        # vLLM queues a deferred request's groups flattened (one reversed free_blocks call:
+        # group B's blocks before group A's); kvpool frees as the immediate path does
+        # (docs/design.md), so the vanilla side defers each group as an entry of its own:
+        # the replay's vanilla+immediate-order reference.
+        free_order.defer_by_group(scheduler)
     if ep.eagle:
         _use_eagle(scheduler, ep.spec_tokens)
     if ep.zero_new_blocks:
