@@ -25,11 +25,12 @@ Run: ``.venv/bin/python -m pytest benchmarks/test_replay_bench.py --benchmark-on
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 
 from kvpool.tools.replay import modes as replay_modes, workloads
-from kvpool.tools.replay.engine import PoolSpec
+from kvpool.tools.replay.engine import PoolSpec, resolve_pool
 from kvpool.tools.replay.runner import ModeRun
 
 #: Rounds (windows) per mode; the ratio is the median of the rounds' ratios.
@@ -49,9 +50,32 @@ WORKLOADS = {
     "pd_async": (ROUNDS, lambda: workloads.pd_async(rounds=ROUNDS, scale=SCALE)),
     "pd_prefill": (ROUNDS, lambda: workloads.pd(rounds=ROUNDS, scale=SCALE).prefill),
     "serving": (ROUNDS, lambda: workloads.serving(rounds=ROUNDS, window_steps=400, scale=SCALE)),
+    # serving on a hybrid model's KV cache groups as vLLM resolves them (full attention
+    # + sliding window: docs/replay.md, "Model shapes"), POOL.num_blocks blocks, at the
+    # replay's default scale (outputs of 64-1,024 tokens: at SCALE, 3-51, every step
+    # admits or prefills, and a hybrid model's prefill and caching are vLLM's Python)
+    "serving_gpt_oss": (ROUNDS, lambda: _on_model(workloads.serving(rounds=ROUNDS, window_steps=400),
+                                                  "openai/gpt-oss-20b")),
 }
 #: benchmark impl -> the replay's mode.
 MODES = {"vllm": "vanilla", "kvpool": "kvpool", "kvpool_contiguous": "kvpool+contiguous"}
+
+
+def _on_model(wl, model: str):
+    """``wl`` as ``python -m kvpool replay --model MODEL`` runs it."""
+    return replace(wl, engine=replace(wl.engine, model=model))
+
+
+#: The WORKLOADS run on a model's own KV cache groups (``--model``).
+MODEL_SHAPES = ("serving_gpt_oss",)
+
+
+def _pool(name: str, wl) -> PoolSpec:
+    """POOL, or for a workload of MODEL_SHAPES the KV cache vLLM resolves for its model
+    with POOL.num_blocks blocks (the replay's ``--model M --num-blocks N``)."""
+    if name not in MODEL_SHAPES:
+        return POOL
+    return resolve_pool(wl, kv_memory_bytes=None, num_blocks=POOL.num_blocks, user_block_size=None)[0]
 
 
 _RUNS: dict[tuple[str, str], ModeRun] = {}
@@ -71,7 +95,8 @@ def _run(name: str, impl: str) -> ModeRun:
     key = (name, impl)
     if key not in _RUNS:
         try:
-            run = ModeRun(MODES[impl], WORKLOADS[name][1](), POOL, SEED)
+            wl = WORKLOADS[name][1]()
+            run = ModeRun(MODES[impl], wl, _pool(name, wl), SEED)
             pool = run.scheduler.kv_cache_manager.block_pool
             assert type(pool).__module__.startswith("kvpool" if run.mode.uses_kvpool else "vllm")
             _RUNS[key] = run

@@ -216,6 +216,17 @@ def configure_allocate_slots_fast_path(
     block_ids_map: bool = False,
 ) -> None: ...
 def disable_allocate_slots_fast_path() -> None: ...
+def configure_hybrid_running_step(
+    *,
+    coordinator_cls: type,
+    full_attention_cls: type,
+    sliding_window_cls: type,
+    class_checks: Iterable[tuple[type, str, Any]],
+    coordinator_names: Iterable[str],
+    single_type_names: Iterable[str],
+    step_globals: Iterable[tuple[dict[str, Any], str, Any]] = (),
+) -> None: ...
+def hybrid_running_step_state() -> dict[str, Any]: ...
 def configure_prefix_lookup(
     *,
     vanilla: Any,

@@ -88,7 +88,28 @@ def describe() -> str:
     if version is not None:
         lines.append("native KV cache manager path (allocate_slots of a running request): "
                      + _manager_path_state())
+        lines.append("native idle step of hybrid models (full attention + sliding window): "
+                     + _hybrid_step_state())
     return "\n".join(lines)
+
+
+def _hybrid_step_state() -> str:
+    """Whether ``kvpool.patches.hybrid_fast_path`` can arm on this vLLM (beside the
+    native manager path, which it needs)."""
+    try:
+        from kvpool.patches import hybrid_fast_path, manager_fast_path
+
+        release = manager_fast_path.matching_release()
+        known = hybrid_fast_path.KNOWN_HYBRID_SOURCES.get(release or "")
+        matches = bool(known) and hybrid_fast_path.hybrid_fingerprint() == known
+    except Exception as e:  # noqa: BLE001 - info reports, never fails on vLLM's internals
+        return f"unknown ({type(e).__name__}: {e})"
+    if not matches:
+        return ("off: this vLLM's hybrid coordinator and managers are not a release's it was checked "
+                f"against ({', '.join(hybrid_fast_path.KNOWN_HYBRID_SOURCES)})")
+    if envs.get(envs.PYTHON_MANAGER):
+        return f"off: {envs.PYTHON_MANAGER} is on"
+    return f"on ({release}'s)"
 
 
 def _manager_path_state() -> str:

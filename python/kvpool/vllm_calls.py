@@ -44,6 +44,14 @@ SINGLE_TYPE_NAMES = ("remove_skipped_blocks", "get_num_skipped_tokens",
                      "get_num_blocks_to_allocate", "allocate_new_blocks", "cache_blocks",
                      "_cache_partial_tail_block", "reachable_block_mask",
                      "_get_num_evictable_blocks", "_has_partial_local_hit")
+# ... and those the hybrid running step skips (kvpool.patches.hybrid_fast_path,
+# src/kvpool/hybrid_step.pxi) on HybridKVCacheCoordinator and each group's manager.
+HYBRID_COORDINATOR_NAMES = ("remove_skipped_blocks", "get_num_blocks_to_allocate", "allocate_new_blocks",
+                            "cache_blocks", "get_num_cacheable_tokens", "_align_cacheable")
+HYBRID_SINGLE_TYPE_NAMES = ("remove_skipped_blocks", "get_num_skipped_tokens", "_remove_blocks_in_range",
+                            "get_num_blocks_to_allocate", "allocate_new_blocks", "cache_blocks",
+                            "_cache_partial_tail_block", "reachable_block_mask", "_get_num_evictable_blocks",
+                            "_has_partial_local_hit")
 # kvpool's BlockHashToBlockMap methods the native loops replace (class and instance).
 MAP_NAMES = ("contain", "insert", "pop", "get_one_block")
 # Pool methods the native cache_blocks and eviction skip (_emit_block_removed_events may
@@ -56,6 +64,16 @@ LOOKUP_MANAGER_NAMES = ("prefix_cache_lookup_enabled", "create_kv_cache_blocks")
 LOOKUP_COORDINATOR_NAMES = ("find_longest_cache_hit",)
 LOOKUP_SINGLE_TYPE_NAMES = ("find_longest_cache_hit",)
 
-__all__ = ["COORDINATOR_NAMES", "LOOKUP_COORDINATOR_NAMES", "LOOKUP_MANAGER_NAMES",
-           "LOOKUP_SINGLE_TYPE_NAMES", "MANAGER_NAMES", "MAP_NAMES", "POOL_NAMES",
-           "POOL_SELF_CALLS", "SINGLE_TYPE_NAMES"]
+__all__ = [
+    "COORDINATOR_NAMES",
+    "HYBRID_COORDINATOR_NAMES",
+    "HYBRID_SINGLE_TYPE_NAMES",
+    "LOOKUP_COORDINATOR_NAMES",
+    "LOOKUP_MANAGER_NAMES",
+    "LOOKUP_SINGLE_TYPE_NAMES",
+    "MANAGER_NAMES",
+    "MAP_NAMES",
+    "POOL_NAMES",
+    "POOL_SELF_CALLS",
+    "SINGLE_TYPE_NAMES",
+]

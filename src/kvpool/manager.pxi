@@ -50,14 +50,19 @@ cdef class _Entry:
     # get_computed_blocks: the manager's enable_caching decides first, as vLLM's
     # prefix_cache_lookup_enabled does (False: answered without the coordinator).
     cdef readonly bint reads_enable_caching
+    # allocate_slots: HybridKVCacheCoordinator too, when its running step is armed
+    # (hybrid_step.pxi): _eligible then returns _HYBRID.
+    cdef readonly bint hybrid_ok
 
     def __init__(self, manager_names=(), coordinator_names=(), single_type_names=(), *,
-                 bint no_prefix_cache_ok=False, bint reads_enable_caching=False):
+                 bint no_prefix_cache_ok=False, bint reads_enable_caching=False,
+                 bint hybrid_ok=False):
         self.manager_names = tuple(manager_names)
         self.coordinator_names = tuple(coordinator_names)
         self.single_type_names = tuple(single_type_names)
         self.no_prefix_cache_ok = no_prefix_cache_ok
         self.reads_enable_caching = reads_enable_caching
+        self.hybrid_ok = hybrid_ok
 
 
 @cython.auto_pickle(False)
@@ -270,7 +275,7 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
     _fast_path.manager_module_dict = manager_module_dict
     _fast_path.class_checks = tuple(class_checks)
     _fast_path.allocate_entry = _Entry(manager_names, coordinator_names, single_type_names,
-                                       no_prefix_cache_ok=True)
+                                       no_prefix_cache_ok=True, hybrid_ok=True)
     _fast_path.cache_entry = _Entry((), coordinator_names, single_type_names)
     _fast_path.manager_hooks = manager_hooks
     _fast_path.pool_cls = pool_cls
@@ -308,8 +313,11 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
 
 
 def disable_allocate_slots_fast_path():
-    """Every call of :func:`kv_cache_manager_allocate_slots` goes to vLLM's function."""
+    """Every call of :func:`kv_cache_manager_allocate_slots` goes to vLLM's function
+    (the hybrid running step too, until ``configure_hybrid_running_step`` arms it
+    again)."""
     _fast_path.enabled = False
+    _hybrid.enabled = False
 
 
 #: The largest value _nonneg takes natively (exclusive): the native arithmetic adds at
@@ -495,6 +503,9 @@ cdef object _eligible(_AllocateSlotsFastPath fp, _Entry entry, manager, coordina
     if type(coordinator) is not fp.coordinator_cls and not (
             entry.no_prefix_cache_ok and fp.no_prefix_cache_cls is not None
             and type(coordinator) is fp.no_prefix_cache_cls):
+        if (entry.hybrid_ok and manager is not None and _hybrid.enabled
+                and type(coordinator) is _hybrid.coordinator_cls):
+            return _HYBRID
         return None
     managers = coordinator.single_type_managers
     if type(managers) is not tuple or len(<tuple>managers) != 1:
@@ -595,6 +606,8 @@ cdef object _allocate_slots_native(self, request, num_new_tokens, num_new_comput
     mgr = _eligible(fp, fp.allocate_entry, self, None)
     if mgr is None:
         return _VLLM
+    if mgr is _HYBRID:
+        return _hybrid_running_step(fp, self, request, &s, has_scheduled_reqs is True)
     coordinator = self.coordinator
     request_id = request.request_id
     if (type(request_id) is not str

@@ -218,8 +218,14 @@ def test_info_says_whether_the_native_manager_path_binds():
     release = vllm_compat._release(vllm_compat.installed_vllm_version())
     assert ("native KV cache manager path (allocate_slots of a running request): on (the mirrored "
             f"vLLM functions are {release}'s)") in proc.stdout
+    from kvpool.patches import hybrid_fast_path
+
+    hybrid = "on" if release in hybrid_fast_path.KNOWN_HYBRID_SOURCES else "off: this vLLM's hybrid"
+    assert f"native idle step of hybrid models (full attention + sliding window): {hybrid}" in proc.stdout
     proc = _run(code, KVPOOL_PYTHON_MANAGER="1")
     assert "allocate_slots of a running request): off: KVPOOL_PYTHON_MANAGER is on" in proc.stdout
+    if hybrid == "on":
+        assert "sliding window): off: KVPOOL_PYTHON_MANAGER is on" in proc.stdout
 
 
 def test_info_names_an_invalid_setting_and_exits_2():

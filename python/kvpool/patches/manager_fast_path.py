@@ -8,8 +8,7 @@ full-attention KV cache group (``UnitaryKVCacheCoordinator`` over one
 ``FullAttentionManager``: most dense models) and a running request (no new prefix hit,
 no connector or encoder tokens), that call walks five Python layers (the manager, the
 coordinator, the single-type manager, ``cdiv``, ``create_kv_cache_blocks``) to compute
-how many blocks the request's next tokens need, usually none. It was about a third of
-the scheduler step's CPU in the profile of docs/performance.md.
+how many blocks the request's next tokens need, usually none.
 
 ``kvpool._core.kv_cache_manager_allocate_slots`` (``src/kvpool/manager.pxi``) does that
 arithmetic in C (with prefix caching off too: vLLM's ``KVCacheCoordinatorNoPrefixCache``
@@ -17,9 +16,8 @@ has the same allocation methods) and calls the pool's own ``get_new_blocks`` whe
 block is allocated, so the pool, the tables and KV events change exactly as in vLLM
 (the free count is read from kvpool's queue while ``get_num_free_blocks`` is vLLM's).
 When blocks become full it caches them natively too (``kv_cache_coordinator_cache_blocks``,
-also bound as
-``UnitaryKVCacheCoordinator.cache_blocks``, which vLLM's ``allocate_slots`` calls for a
-new request): the four Python layers from the coordinator to
+also bound as ``UnitaryKVCacheCoordinator.cache_blocks``, which vLLM's ``allocate_slots``
+calls for a new request): the four Python layers from the coordinator to
 ``BlockPool._insert_block_hash`` become one loop that sets each new full block's hash
 and inserts it into kvpool's ``BlockHashToBlockMap``, for a pool without KV events
 whose caching methods are vLLM's (with events, a block already hashed, a patched pool
@@ -27,8 +25,7 @@ method: vLLM's code). Beside it, a waiting request's prefix-cache lookup
 (``KVCacheManager.get_computed_blocks`` -> the coordinator's and ``FullAttentionManager``'s
 ``find_longest_cache_hit`` -> ``BlockPool.get_cached_block``) is one native loop over the
 request's block hashes (``kv_cache_manager_get_computed_blocks``, ``src/kvpool/lookup.pxi``).
-Every other
-call goes to vLLM's ``allocate_slots`` unchanged: a waiting or preempted request, a
+Every other call goes to vLLM's ``allocate_slots`` unchanged: a waiting or preempted request, a
 prefix hit, external or encoder tokens, ``full_sequence_must_fit``, a subclass of the
 manager, a coordinator or single-type manager of any other type, a pending
 copy-on-write block, an argument of another type than vLLM's scheduler passes, or any
@@ -38,16 +35,17 @@ classes through their attribute-cache version tag).
 It is bound only where its arithmetic is vLLM's: the sources of the vLLM functions it
 mirrors (:data:`MIRRORED`) and of the definitions whose data layout it reads and writes
 (:data:`LAYOUT`: vLLM's ``BlockHashToBlockMap``, ``KVCacheBlocks``, the constructors of
-the objects it reads) must hash to one of :data:`KNOWN_SOURCES` (vLLM 0.30.0, 0.31.0,
-0.32.0 and 0.33.0, each recorded after the differential tests passed in that release's
-environment; a release whose functions differ keeps vLLM's ``allocate_slots``, with one
-info line), and ``KVPOOL_PYTHON_MANAGER`` must not be on. What the releases do
-differently that the native code acts on (the EAGLE group attribute the lookup reads,
-``get_computed_blocks``' ``max_cache_hit_length``, ``cache_blocks``' test of
-``prefix_cacheable``) it reads from the release's :class:`kvpool.vllm_compat.VllmRelease`. Under a policy with
-manager hooks (``allocation="contiguous"``: :mod:`kvpool.patches.manager_hooks`, applied
-before this module) the native path does what those hooks do: it tells the policy the
-request's expected length and runs the pool's allocation in the table's context.
+the objects it reads) must hash to one of :data:`KNOWN_SOURCES` (vLLM 0.30.0-0.34.0,
+each recorded after the differential tests passed in that release's environment; a
+release whose functions differ keeps vLLM's ``allocate_slots``, with one info line),
+and ``KVPOOL_PYTHON_MANAGER`` must not be on. What the releases do differently that the
+native code acts on (the EAGLE group attribute the lookup reads, ``get_computed_blocks``'
+``max_cache_hit_length``, ``cache_blocks``' test of ``prefix_cacheable``) it reads from
+the release's :class:`kvpool.vllm_compat.VllmRelease`. Under a policy with manager hooks
+(``allocation="contiguous"``: :mod:`kvpool.patches.manager_hooks`, applied before this
+module) the native path does what those hooks do: it tells the policy the request's
+expected length and runs the pool's allocation in the table's context. Hybrid models'
+idle running steps: :mod:`kvpool.patches.hybrid_fast_path`, armed from :func:`apply`.
 ``uninstall()`` puts vLLM's methods back.
 """
 
@@ -61,6 +59,7 @@ import types
 from typing import Any
 
 from kvpool import allocation, envs
+from kvpool.patches import hybrid_fast_path
 
 # Method names the native path skips, which must not be set on the instances (listed
 # with the pool's in kvpool.vllm_calls).
@@ -494,6 +493,7 @@ def apply(patcher) -> None:
     patcher.set_attr(manager_cls, "allocate_slots", fast)
     if native_cache:
         _bind_get_computed_blocks(patcher, classes, traits)
+    hybrid_fast_path.bind(release)
 
 
 __all__ = ["KNOWN_SOURCES", "LAYOUT", "MIRRORED", "apply", "matching_release", "mirrored_source",

@@ -1,0 +1,210 @@
+"""The idle running step of a hybrid model natively (full attention beside sliding window).
+
+Not a patch module of its own: :func:`kvpool.patches.manager_fast_path.apply` calls
+:func:`bind` once it has bound the native ``KVCacheManager.allocate_slots``.
+
+What it replaces: with more than one KV cache group vLLM's ``KVCacheManager`` runs
+``HybridKVCacheCoordinator``, several single-type managers over one pool
+(``vllm/v1/core/kv_cache_coordinator.py``, vLLM 0.34.0). A running request's decode
+step usually changes nothing in any group: no group needs a new block, the sliding
+window's last dropped block is already the null block, every full block is cached.
+vLLM still walks about fifteen Python calls across the coordinator and each group's
+manager to find that out, and returns the manager's shared empty ``KVCacheBlocks``.
+``kvpool._core.kv_cache_manager_allocate_slots`` (``src/kvpool/hybrid_step.pxi``)
+recognises that step from the plain attributes vLLM's code reads and returns the same
+object (or None where the watermark or reserved blocks refuse it, as vLLM's free-count
+check does). Every step that allocates, frees, caches or copies a block, every group
+of another manager type (Mamba, chunked local, cross attention, ...), an EAGLE group, a
+full-attention group whose block is larger than the hash block, and every call whose
+methods are patched goes to vLLM's ``allocate_slots`` before anything changes.
+
+It is bound only where its reading is vLLM's: the sources of :data:`HYBRID_MIRRORED`
+and :data:`HYBRID_LAYOUT` must hash to the entry of :data:`KNOWN_HYBRID_SOURCES` of the
+release the native allocate_slots was bound for (recorded after
+tests/integration/test_manager_hybrid_step.py passed in that release's environment);
+elsewhere hybrid models keep vLLM's Python, with one info line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import types
+from typing import Any
+
+from kvpool.vllm_calls import HYBRID_COORDINATOR_NAMES, HYBRID_SINGLE_TYPE_NAMES
+
+logger = logging.getLogger("vllm.kvpool")
+
+#: The vLLM functions whose reading the hybrid step reproduces, as ``(class name,
+#: method name)`` resolved on that class (``kv_cache_coordinator``: a function of that
+#: module's namespace).
+HYBRID_MIRRORED: tuple[tuple[str, str], ...] = (
+    ("KVCacheManager", "allocate_slots"),
+    ("KVCacheManager", "create_kv_cache_blocks"),
+    ("HybridKVCacheCoordinator", "remove_skipped_blocks"),
+    ("HybridKVCacheCoordinator", "get_num_blocks_to_allocate"),
+    ("HybridKVCacheCoordinator", "allocate_new_blocks"),
+    ("HybridKVCacheCoordinator", "cache_blocks"),
+    ("HybridKVCacheCoordinator", "get_num_cacheable_tokens"),
+    ("HybridKVCacheCoordinator", "_align_cacheable"),
+    ("FullAttentionManager", "remove_skipped_blocks"),
+    ("FullAttentionManager", "get_num_skipped_tokens"),
+    ("FullAttentionManager", "_remove_blocks_in_range"),
+    ("FullAttentionManager", "get_num_blocks_to_allocate"),
+    ("FullAttentionManager", "allocate_new_blocks"),
+    ("FullAttentionManager", "cache_blocks"),
+    ("SlidingWindowManager", "remove_skipped_blocks"),
+    ("SlidingWindowManager", "get_num_skipped_tokens"),
+    ("SlidingWindowManager", "_remove_blocks_in_range"),
+    ("SlidingWindowManager", "get_num_blocks_to_allocate"),
+    ("SlidingWindowManager", "allocate_new_blocks"),
+    ("SlidingWindowManager", "cache_blocks"),
+    ("SingleTypeKVCacheManager", "cache_blocks"),
+    ("kv_cache_coordinator", "replay_boundaries"),
+    ("single_type_kv_cache_manager", "cdiv"),
+)
+
+#: The definitions whose layout the hybrid step reads (``None``: the whole class's source):
+#: ``KVCacheBlocks`` (``.blocks`` of the manager's empty one), and the constructors that
+#: define the attributes it reads (the
+#: coordinator's ``drop_eagle_group_ids``, ``scheduler_block_size``,
+#: ``enable_partial_hash_hits``; a manager's ``req_to_blocks``, ``num_cached_block``,
+#: ``_partial_hit_reqs``, ``_null_block``, ``sliding_window``, ...; the request's).
+HYBRID_LAYOUT: tuple[tuple[str, str | None], ...] = (
+    ("KVCacheBlocks", None),
+    ("KVCacheCoordinator", "__init__"),
+    ("HybridKVCacheCoordinator", "__init__"),
+    ("SingleTypeKVCacheManager", "__init__"),
+    ("SlidingWindowManager", "__init__"),
+    ("Request", "__init__"),
+    ("Request", "num_tokens"),
+)
+
+#: sha256 of :func:`hybrid_source` per vLLM release the hybrid step was checked against.
+KNOWN_HYBRID_SOURCES: dict[str, str] = {
+    "0.34.0": "e1e732bbe34af7d98cca03e60f5bda597c71ae82cdc89276c479107df323ed39",
+}
+
+# The classes whose methods every hybrid step checks through their version tags.
+_CHECKED = ("HybridKVCacheCoordinator", "FullAttentionManager", "SlidingWindowManager")
+
+
+def hybrid_classes() -> dict[str, Any]:
+    """The installed vLLM's classes and modules :data:`HYBRID_MIRRORED` names."""
+    from vllm.v1 import request
+    from vllm.v1.core import kv_cache_coordinator, kv_cache_manager, single_type_kv_cache_manager
+
+    return {
+        "KVCacheManager": kv_cache_manager.KVCacheManager,
+        "KVCacheCoordinator": kv_cache_coordinator.KVCacheCoordinator,
+        "HybridKVCacheCoordinator": kv_cache_coordinator.HybridKVCacheCoordinator,
+        "SingleTypeKVCacheManager": single_type_kv_cache_manager.SingleTypeKVCacheManager,
+        "FullAttentionManager": single_type_kv_cache_manager.FullAttentionManager,
+        "SlidingWindowManager": single_type_kv_cache_manager.SlidingWindowManager,
+        "Request": request.Request,
+        "KVCacheBlocks": kv_cache_manager.KVCacheBlocks,
+        "kv_cache_coordinator": kv_cache_coordinator,
+        "single_type_kv_cache_manager": single_type_kv_cache_manager,
+    }
+
+
+def _resolved(classes: dict[str, Any], cls_name: str, name: str):
+    """vLLM's function behind ``classes[cls_name].name`` (kvpool's wrappers seen
+    through, a classmethod by its function, a property by its getter), or None."""
+    from kvpool.patches.manager_fast_path import _vanilla
+
+    func = _vanilla(classes[cls_name], name)
+    if isinstance(func, property):
+        func = func.fget
+    return getattr(func, "__func__", func)
+
+
+def hybrid_source(classes: dict[str, Any] | None = None) -> str:
+    """The sources of :data:`HYBRID_MIRRORED`, then :data:`HYBRID_LAYOUT`, as the
+    installed vLLM defines them (``# Class.method`` before each, ``# Class`` before a
+    whole class; ``: absent`` where the release has none). Raises ``OSError`` /
+    ``TypeError`` when a source cannot be read."""
+    from kvpool.patches.manager_fast_path import _source
+
+    classes = classes or hybrid_classes()
+    parts = []
+    for cls_name, name in HYBRID_MIRRORED + HYBRID_LAYOUT:
+        if name is None:
+            parts.append(f"# {cls_name}\n{_source(classes[cls_name])}")
+            continue
+        func = _resolved(classes, cls_name, name)
+        parts.append(f"# {cls_name}.{name}: absent\n" if func is None
+                     else f"# {cls_name}.{name}\n{_source(func)}")
+    return "".join(parts)
+
+
+def hybrid_fingerprint(classes: dict[str, Any] | None = None) -> str | None:
+    """sha256 (hex) of :func:`hybrid_source`, or None when a source cannot be read (or
+    the release has no hybrid coordinator or sliding-window manager)."""
+    try:
+        return hashlib.sha256(hybrid_source(classes).encode()).hexdigest()
+    except (OSError, TypeError, AttributeError, KeyError):
+        return None
+
+
+def _step_globals(classes: dict[str, Any]) -> tuple[tuple[dict, str, Any], ...]:
+    """``(namespace dict, name, value)`` of every function and class the mirrored
+    methods read from their modules (``cdiv``, ``round_down``, ``replay_boundaries``,
+    ``CrossAttentionManager``, ...): replaced there after install, the step is vLLM's."""
+    found: dict[tuple[int, str], tuple[dict, str, Any]] = {}
+    for cls_name, name in HYBRID_MIRRORED:
+        func = _resolved(classes, cls_name, name)
+        if not isinstance(func, types.FunctionType):
+            continue
+        for gname, value in inspect.getclosurevars(func).globals.items():
+            if isinstance(value, (types.FunctionType, type)) and func.__globals__.get(gname) is value:
+                found[(id(func.__globals__), gname)] = (func.__globals__, gname, value)
+    return tuple(found.values())
+
+
+def bind(release: str) -> bool:
+    """Arm the hybrid step of the native allocate_slots (bound by
+    ``manager_fast_path.apply`` for ``release``) when the installed hybrid sources are
+    that release's (:data:`KNOWN_HYBRID_SOURCES`) and none is wrapped by other code;
+    True when armed, else False with one info line. ``uninstall()`` unbinds the native
+    allocate_slots that runs it; the next install disarms it first
+    (``_core.disable_allocate_slots_fast_path``)."""
+    from kvpool import _core
+    from kvpool.patches.manager_fast_path import _bound_function, _foreign_wrapper
+
+    try:
+        classes = hybrid_classes()
+    except (ImportError, AttributeError):
+        return False
+    known = KNOWN_HYBRID_SOURCES.get(release)
+    if not known or hybrid_fingerprint(classes) != known:
+        logger.info("kvpool: the running step of hybrid models (HybridKVCacheCoordinator) stays "
+                    "vLLM's Python: this vLLM's coordinator and managers are not those of a release "
+                    "kvpool's hybrid step was checked against (%s)", ", ".join(KNOWN_HYBRID_SOURCES))
+        return False
+    foreign = [f"{c}.{n}" for c, n in HYBRID_MIRRORED
+               if c in classes and isinstance(classes[c], type) and _foreign_wrapper(getattr(classes[c], n, None))]
+    if foreign:
+        logger.info("kvpool: the running step of hybrid models stays vLLM's Python: %s wrapped by "
+                    "other code", ", ".join(foreign))
+        return False
+    # (what the classes resolve to now: under the contiguous policy its manager hooks'
+    # wrappers, which an idle step has nothing to do for; the native step tells the
+    # policy the request's length as the hook on allocate_slots does)
+    class_checks = [(classes[c], n, _bound_function(classes[c], n)) for c, n in HYBRID_MIRRORED if c in _CHECKED]
+    _core.configure_hybrid_running_step(
+        coordinator_cls=classes["HybridKVCacheCoordinator"],
+        full_attention_cls=classes["FullAttentionManager"],
+        sliding_window_cls=classes["SlidingWindowManager"],
+        class_checks=class_checks,
+        coordinator_names=HYBRID_COORDINATOR_NAMES,
+        single_type_names=HYBRID_SINGLE_TYPE_NAMES,
+        step_globals=_step_globals(classes),
+    )
+    return True
+
+
+__all__ = ["HYBRID_LAYOUT", "HYBRID_MIRRORED", "KNOWN_HYBRID_SOURCES", "bind", "hybrid_fingerprint",
+           "hybrid_source"]

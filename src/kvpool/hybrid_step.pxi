@@ -1,0 +1,245 @@
+# The running request's step under vLLM's HybridKVCacheCoordinator when it changes
+# nothing (kvpool.patches.hybrid_fast_path; included by _core.pyx after manager.pxi).
+#
+# A decode step of a running request on a model with full-attention and sliding-window
+# KV cache groups usually needs no new block in any group, frees no block that left the
+# window, and caches no block: vLLM's KVCacheManager.allocate_slots then returns the
+# manager's shared empty KVCacheBlocks after about fifteen Python calls across the
+# coordinator and the groups' managers. _hybrid_running_step recognises that case from
+# the same plain attributes vLLM's code reads, and answers it; every other call (a step
+# that allocates, frees, caches or copies a block, another manager type, a patched
+# method) goes to vLLM's code before anything is changed.
+
+
+@cython.auto_pickle(False)
+cdef class _HybridStep:
+    """The hybrid path's configuration (``configure_hybrid_running_step``): the classes
+    whose methods it mirrors, the checks that they are still vLLM's, its counters."""
+    cdef public bint enabled
+    cdef public object coordinator_cls       # vLLM's HybridKVCacheCoordinator
+    cdef public object full_attention_cls    # FullAttentionManager
+    cdef public object sliding_window_cls    # SlidingWindowManager
+    cdef public tuple class_checks           # ((cls, name, function), ...)
+    cdef public tuple coordinator_names      # not to be set on the coordinator instance
+    cdef public tuple single_type_names      # ... nor on a group's manager
+    cdef readonly tuple step_globals         # ((namespace dict, name, value), ...)
+    cdef vector[PyObject*] step_checks
+    cdef unsigned int tags[3]
+    cdef public Py_ssize_t native_steps, vllm_steps
+
+    def __init__(self):
+        self.enabled = False
+        self.class_checks = self.coordinator_names = self.single_type_names = ()
+        self.step_globals = ()
+        self.tags[0] = self.tags[1] = self.tags[2] = 0
+        self.native_steps = self.vllm_steps = 0
+
+    cdef bint classes_unchanged(self):
+        """The hybrid coordinator's and the two managers' classes still resolve every
+        mirrored method to vLLM's function, and the module names they read are
+        vLLM's (checked through getattr after any change to the classes)."""
+        if not _namespace_entries_are(self.step_checks):
+            return False
+        if (self.tags[0] != 0
+                and kvpool_type_tag(<PyObject*>self.coordinator_cls) == self.tags[0]
+                and kvpool_type_tag(<PyObject*>self.full_attention_cls) == self.tags[1]
+                and kvpool_type_tag(<PyObject*>self.sliding_window_cls) == self.tags[2]):
+            return True
+        if not _resolve_to(self.class_checks):
+            self.tags[0] = 0
+            return False
+        self.tags[0] = kvpool_type_tag(<PyObject*>self.coordinator_cls)
+        self.tags[1] = kvpool_type_tag(<PyObject*>self.full_attention_cls)
+        self.tags[2] = kvpool_type_tag(<PyObject*>self.sliding_window_cls)
+        return True
+
+
+from collections import defaultdict as _defaultdict
+
+cdef _HybridStep _hybrid = _HybridStep()
+cdef object _HYBRID = object()   # _eligible: the coordinator is the hybrid one (armed)
+
+
+def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, sliding_window_cls,
+                                  class_checks, coordinator_names, single_type_names,
+                                  step_globals=()):
+    """Arm the hybrid running step of :func:`kv_cache_manager_allocate_slots` (called by
+    ``kvpool.patches.hybrid_fast_path`` after the native allocate_slots is configured;
+    ``disable_allocate_slots_fast_path`` disarms both).
+
+    ``class_checks``: ``(class, name, function)`` triples that must hold (vLLM's
+    ``HybridKVCacheCoordinator``, ``FullAttentionManager``, ``SlidingWindowManager``
+    methods the step's code calls); ``*_names``: method names that must not be set on
+    the coordinator / group manager instances; ``step_globals``: ``(namespace dict, name,
+    value)`` triples of the module names those methods read."""
+    _hybrid.enabled = False
+    _hybrid.coordinator_cls = coordinator_cls
+    _hybrid.full_attention_cls = full_attention_cls
+    _hybrid.sliding_window_cls = sliding_window_cls
+    _hybrid.class_checks = tuple(class_checks)
+    _hybrid.coordinator_names = tuple(coordinator_names)
+    _hybrid.single_type_names = tuple(single_type_names)
+    _hybrid.step_globals = tuple(step_globals)
+    _fill_checks(_hybrid.step_checks, _hybrid.step_globals)
+    _hybrid.tags[0] = 0
+    _hybrid.native_steps = _hybrid.vllm_steps = 0
+    _hybrid.enabled = True
+
+
+def hybrid_running_step_state():
+    """``{"enabled", "native_steps", "vllm_steps"}``: whether the hybrid step is armed,
+    the running steps it answered, and those of a hybrid coordinator it handed to vLLM's
+    code (tests, ``kvpool info``)."""
+    return {"enabled": _hybrid.enabled, "native_steps": _hybrid.native_steps,
+            "vllm_steps": _hybrid.vllm_steps}
+
+
+cdef object _hybrid_running_step(_AllocateSlotsFastPath fp, manager, request, _Step* s,
+                                 bint has_scheduled_reqs):
+    """vLLM 0.34.0's ``KVCacheManager.allocate_slots`` for a running request under
+    ``HybridKVCacheCoordinator`` (the manager already checked by :func:`_eligible`, the
+    arguments by :func:`_step_arguments`) when every group is idle
+    (:func:`_hybrid_group_idle`): the manager's ``empty_kv_cache_blocks``, or None when
+    the watermark / reserved blocks refuse the step as vLLM's free-count check does;
+    _VLLM otherwise, before anything is changed."""
+    cdef _HybridStep hp = _hybrid
+    cdef long long in_flight, request_tokens, total, main, processed, n_cache, free_blocks
+    cdef Py_ssize_t i, n_groups, n_hashes
+    coordinator = manager.coordinator
+    if (not hp.classes_unchanged() or not _not_overridden(coordinator, hp.coordinator_names)
+            or not _hybrid_coordinator_plain(coordinator)):
+        hp.vllm_steps += 1
+        return _VLLM
+    managers = coordinator.single_type_managers
+    request_id = request.request_id
+    block_hashes = request.block_hashes
+    empty = manager.empty_kv_cache_blocks
+    empty_blocks = getattr(empty, "blocks", None)
+    if (type(managers) is not tuple or type(request_id) is not str
+            or type(block_hashes) is not list or type(empty_blocks) is not tuple
+            or len(<tuple>empty_blocks) != len(<tuple>managers)
+            or not _hybrid_request_numbers(fp, manager, request, s, has_scheduled_reqs,
+                                           &in_flight, &request_tokens)):
+        hp.vllm_steps += 1
+        return _VLLM
+    # allocate_slots' arithmetic (a running request: no new hit, no external tokens)
+    total = s.computed if s.computed < s.max_len else s.max_len
+    main = total + s.new_tokens
+    need = main + s.lookahead if main + s.lookahead < s.max_len else s.max_len
+    processed = total - in_flight if total > in_flight else 0
+    n_cache = main if main < request_tokens else request_tokens
+    n_hashes = len(<list>block_hashes)
+    n_groups = len(<tuple>managers)
+    for i in range(n_groups):
+        if not _hybrid_group_idle(hp, (<tuple>managers)[i], <str>request_id, need, processed,
+                                  n_cache, n_hashes, (<tuple>empty_blocks)[i]):
+            hp.vllm_steps += 1
+            return _VLLM
+    pool = manager.block_pool
+    if not _native_free_count(fp, pool, &free_blocks) \
+            and not _nonneg(pool.get_num_free_blocks(), &free_blocks):
+        hp.vllm_steps += 1
+        return _VLLM
+    hp.native_steps += 1
+    if fp.manager_hooks:
+        # kvpool.patches.manager_hooks._recording_expected_tokens
+        policy = getattr(pool, "_policy", None)
+        if policy is not None:
+            policy.expect_tokens(request_id, request.num_prompt_tokens + request.max_tokens)
+    if s.watermark > free_blocks - s.reserved:
+        return None
+    return empty
+
+
+cdef bint _hybrid_coordinator_plain(coordinator):
+    """What the hybrid coordinator's ``cache_blocks`` reads before it reaches the
+    groups is plain: no EAGLE group (``drop_eagle_group_ids`` an empty set, as vLLM
+    builds it without EAGLE: ``replay_boundaries`` then needs no block size), a positive
+    int ``scheduler_block_size`` and a bool ``enable_partial_hash_hits``
+    (``_align_cacheable``), so vLLM's ``get_num_cacheable_tokens`` returns at most the
+    tokens it is given and raises nothing; anything else is vLLM's to run."""
+    cdef long long sbs
+    eagle = coordinator.drop_eagle_group_ids
+    partial = coordinator.enable_partial_hash_hits
+    return ((type(eagle) is set or type(eagle) is frozenset) and len(eagle) == 0
+            and _nonneg(coordinator.scheduler_block_size, &sbs) and sbs > 0
+            and (partial is True or partial is False))
+
+
+cdef bint _hybrid_request_numbers(_AllocateSlotsFastPath fp, manager, request, _Step* s,
+                                  bint has_scheduled_reqs, long long* in_flight,
+                                  long long* request_tokens):
+    """The request's and manager's numbers that vLLM's arithmetic reads, as exact
+    non-negative ints (else False: vLLM's call), into ``s`` / the outputs; the watermark
+    of a waiting or preempted request."""
+    s.watermark = 0
+    if (not _nonneg(manager.max_model_len, &s.max_len)
+            or not _nonneg(request.num_computed_tokens, &s.computed)
+            or not _nonneg(request.num_in_flight_tokens, in_flight)
+            or type(request.num_prompt_tokens) is not int
+            or not _nonneg(request.num_tokens, request_tokens)):
+        return False
+    if has_scheduled_reqs:
+        status = request.status
+        if type(status) is not fp.status_type:
+            return False
+        if status is fp.waiting or status is fp.preempted:
+            if not _nonneg(manager.watermark_blocks, &s.watermark):
+                return False
+    return True
+
+
+cdef bint _hybrid_group_idle(_HybridStep hp, mgr, str request_id, long long need,
+                             long long processed, long long n_cache, Py_ssize_t n_hashes,
+                             empty_list) except -1:
+    """One KV cache group of a running request does nothing in this step, in vLLM
+    0.34.0's code: ``remove_skipped_blocks`` frees no block (full attention skips no
+    token; a sliding window's last block before it is already the null block),
+    ``get_num_blocks_to_allocate`` / ``allocate_new_blocks`` find the table long enough
+    (the request has a ``num_cached_block`` entry and no pending copy-on-write block),
+    and ``cache_blocks`` finds its full blocks cached (``get_num_cacheable_tokens`` gives
+    at most ``n_cache`` tokens; a full-attention group caches a partial prompt tail when
+    its block is larger than the hash block, so that shape is vLLM's). False: vLLM's
+    code runs the call."""
+    cdef long long bs, hash_bs, n_cached, window, extra, skipped, n_skip, full
+    cdef object t = type(mgr)
+    if t is not hp.full_attention_cls and t is not hp.sliding_window_cls:
+        return False
+    if not _not_overridden(mgr, hp.single_type_names) or not _nonneg(mgr.block_size, &bs) or bs == 0:
+        return False
+    req_to_blocks = mgr.req_to_blocks
+    num_cached_block = mgr.num_cached_block
+    partial = mgr._partial_hit_reqs
+    if (not (type(req_to_blocks) is dict or type(req_to_blocks) is _defaultdict)
+            or type(num_cached_block) is not dict or type(partial) is not dict
+            or not (type(empty_list) is tuple or type(empty_list) is list) or len(empty_list) != 0):
+        return False
+    blocks = (<dict>req_to_blocks).get(request_id)
+    cached = (<dict>num_cached_block).get(request_id)
+    if (type(blocks) is not list or cached is None or not _nonneg(cached, &n_cached)
+            or request_id in <dict>partial):
+        return False
+    if t is hp.sliding_window_cls:
+        if not _nonneg(mgr.sliding_window, &window) or not _nonneg(mgr.extra_retained_tokens, &extra):
+            return False
+        skipped = processed - window + 1 - extra
+        if skipped > 0:
+            n_skip = skipped // bs
+            if n_skip > len(<list>blocks):
+                n_skip = len(<list>blocks)
+            if n_skip > 0 and (<list>blocks)[n_skip - 1] is not mgr._null_block:
+                return False
+    if (need + bs - 1) // bs > len(<list>blocks):
+        return False
+    if mgr.enable_caching is False:
+        return True
+    if (mgr.enable_caching is not True or mgr.use_eagle is not False
+            or not _nonneg(mgr.block_pool.hash_block_size, &hash_bs)
+            or (n_hashes > 0 and hash_bs > _NATIVE_INT_LIMIT // n_hashes)):
+        return False
+    full = n_hashes * hash_bs
+    if n_cache < full:
+        full = n_cache
+    if n_cached < full // bs:
+        return False
+    return t is hp.sliding_window_cls or bs == hash_bs

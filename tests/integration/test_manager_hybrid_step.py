@@ -1,0 +1,298 @@
+"""The hybrid running step of the native ``KVCacheManager.allocate_slots``
+(``kvpool.patches.hybrid_fast_path``, ``src/kvpool/hybrid_step.pxi``) against the
+installed vLLM's own method, under ``HybridKVCacheCoordinator``.
+
+The differential drives two ``KVCacheManager``s over the same KV cache groups (full
+attention + sliding window; with a chunked-local group too, which the step hands to
+vLLM's code) with the same random operations: one called through vLLM's
+``allocate_slots``, one through the native function. After every operation: the
+returned blocks (or None, and whether it is the manager's shared empty
+``KVCacheBlocks``), every group's block tables (null blocks included) and cached-block
+counts, the cached hashes, the free block count and free-queue order, the new block ids
+and the KV events are compared.
+
+    KVPOOL_MANAGER_DIFF_OPS=400000 python -m pytest tests/integration/test_manager_hybrid_step.py -s
+
+runs 10^5 operations per differential case (a quarter of the setting; default 20,000).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+import kvpool
+from kvpool import _core
+from kvpool.patches import hybrid_fast_path
+from tests.support.map_view import map_entries
+from tests.support.scheduler import kv_cache_groups, make_request
+
+BLOCK_SIZE = 16
+NUM_OPS = int(os.environ.get("KVPOOL_MANAGER_DIFF_OPS", "20000"))
+SEED = int(os.environ.get("KVPOOL_DIFF_SEED", "20261204"))
+PREFIXES = [list(range(7_000 * g, 7_000 * g + n)) for g, n in enumerate((48, 100, 160))]
+
+
+def _installed_release_is_known() -> bool:
+    from kvpool.patches.manager_fast_path import matching_release
+
+    release = matching_release()
+    return release is not None and hybrid_fast_path.KNOWN_HYBRID_SOURCES.get(release) == \
+        hybrid_fast_path.hybrid_fingerprint()
+
+
+def _manager(num_blocks: int, num_groups: int, events: bool, window_blocks: int):
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                           kv_cache_groups=kv_cache_groups(BLOCK_SIZE, num_groups, window_blocks))
+    manager = KVCacheManager(config, max_model_len=2048, scheduler_block_size=BLOCK_SIZE,
+                             hash_block_size=BLOCK_SIZE, enable_caching=True,
+                             enable_kv_cache_events=events)
+    for single in manager.coordinator.single_type_managers:
+        single._record_new_block_ids = True
+    return manager
+
+
+def _vanilla_allocate_slots():
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from kvpool.patches.manager_fast_path import _vanilla
+
+    return _vanilla(KVCacheManager, "allocate_slots")
+
+
+def _summary(manager, result):
+    if result is None:
+        return None
+    return (result is manager.empty_kv_cache_blocks, [[b.block_id for b in g] for g in result.blocks])
+
+
+def _state(manager) -> tuple:
+    pool = manager.block_pool
+    groups = []
+    for single in manager.coordinator.single_type_managers:
+        groups.append(({rid: [b.block_id for b in blocks] for rid, blocks in single.req_to_blocks.items()},
+                       dict(single.num_cached_block)))
+    cached = {key: sorted(ids) for key, ids in map_entries(pool.cached_block_hash_to_block).items()}
+    queue = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    return (groups, cached, pool.get_num_free_blocks(), queue, manager.take_new_block_ids(),
+            [repr(e) for e in manager.take_events()])
+
+
+def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool = False,
+         window_blocks: int = 3) -> dict:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.request import RequestStatus
+
+    rng = random.Random(seed)
+    kvpool.install()
+    assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
+    vanilla_fn = _vanilla_allocate_slots()
+    sides = [(_manager(num_blocks, num_groups, events, window_blocks), vanilla_fn, {}),
+             (_manager(num_blocks, num_groups, events, window_blocks), KVCacheManager.allocate_slots, {})]
+    before = _core.hybrid_running_step_state()
+    live: list[str] = []
+    next_id = 0
+    counts = {"add": 0, "step": 0, "none": 0, "free": 0}
+    for op in range(num_ops):
+        roll = rng.random()
+        if len(live) < 3 or (roll < 0.05 and len(live) < 10):
+            rid, next_id = f"r{next_id}", next_id + 1
+            prompt = list(rng.choice(PREFIXES)) + [rng.randrange(1, 30_000) for _ in range(rng.randrange(1, 150))]
+            chunk = rng.choice((16, 64, 512))
+            results = []
+            for manager, allocate_slots, requests in sides:
+                req = make_request(rid, prompt, max_tokens=10_000, block_size=BLOCK_SIZE)
+                blocks, hit = manager.get_computed_blocks(req)[:2]
+                n = min(chunk, len(prompt) - hit)
+                out = allocate_slots(manager, req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+                results.append((hit, _summary(manager, out)))
+                if out is not None:
+                    req.status = RequestStatus.RUNNING
+                    req.num_computed_tokens = hit + n
+                    requests[rid] = req
+            assert results[0] == results[1], (op, "add", results)
+            if results[0][1] is not None:
+                live.append(rid)
+            counts["add"] += 1
+        elif roll < 0.09 or sides[0][2][live[0]].num_tokens > 1500:
+            rid = live.pop(rng.randrange(len(live)) if roll < 0.09 else 0)
+            for manager, _, requests in sides:
+                manager.free(requests.pop(rid))
+            counts["free"] += 1
+        else:
+            rid = rng.choice(live)
+            req0 = sides[0][2][rid]
+            prefill_left = req0.num_prompt_tokens - req0.num_computed_tokens
+            n = min(rng.choice((1, 16, 64, 300)), prefill_left) if prefill_left > 0 else 1
+            kwargs = {}
+            if rng.random() < 0.15:
+                kwargs["num_lookahead_tokens"] = rng.choice((1, 3, 40))
+            if rng.random() < 0.15:
+                kwargs["reserved_blocks"] = rng.choice((1, 8, num_blocks // 2, num_blocks))
+            if rng.random() < 0.1:
+                kwargs["has_scheduled_reqs"] = rng.random() < 0.5
+            if rng.random() < 0.05:
+                kwargs["delay_cache_blocks"] = True
+            status = rng.choice((RequestStatus.RUNNING,) * 8 + (RequestStatus.PREEMPTED,))
+            in_flight = rng.choice((0,) * 6 + (1, 5))
+            token = rng.randrange(1, 30_000)
+            results = []
+            for manager, allocate_slots, requests in sides:
+                req = requests[rid]
+                req.status = status
+                req.num_in_flight_tokens = in_flight
+                out = allocate_slots(manager, req, n, **kwargs)
+                results.append(_summary(manager, out))
+                req.num_in_flight_tokens = 0
+                if out is not None:
+                    req.num_computed_tokens += n
+                    if req.num_computed_tokens >= req.num_tokens:
+                        req.append_output_token_ids(token)
+                    req.status = RequestStatus.RUNNING
+            assert results[0] == results[1], (op, "step", rid, n, kwargs, status, results)
+            counts["step"] += 1
+            counts["none"] += results[0] is None
+        assert _state(sides[0][0]) == _state(sides[1][0]), (op, counts)
+    after = _core.hybrid_running_step_state()
+    counts["native_steps"] = after["native_steps"] - before["native_steps"]
+    counts["vllm_steps"] = after["vllm_steps"] - before["vllm_steps"]
+    return counts
+
+
+needs_known_release = pytest.mark.skipif(
+    not _installed_release_is_known(),
+    reason="the installed vLLM's hybrid coordinator is not one the hybrid step was checked against "
+           "(test_the_hybrid_step_is_bound_only_on_a_known_release covers it)")
+
+
+@needs_known_release
+@pytest.mark.parametrize("events", [False, True], ids=["no-events", "kv-events"])
+@pytest.mark.parametrize("num_blocks", [48, 600])
+def test_hybrid_running_step_matches_vllm(num_blocks, events):
+    """Full attention + a 3-block sliding window: small pool (constant eviction,
+    refusals), larger pool (long tables, prefix hits, the window's null blocks); KV
+    events on and off. Most steps are idle and answered natively; every other one is
+    vLLM's, and the two managers stay identical."""
+    counts = _run(NUM_OPS // 4, num_blocks, 2, SEED + num_blocks, events)
+    print(f"\nhybrid differential: {num_blocks} blocks, events {events}: {counts}")
+    assert counts["native_steps"] > counts["step"] // 3
+    assert counts["vllm_steps"] > 0 and counts["free"] > 0
+    assert counts["none"] > 0 or num_blocks > 48
+
+
+@needs_known_release
+def test_a_group_of_another_type_keeps_vllms_step():
+    """A chunked-local group beside them: no step is answered natively (its manager's
+    step is vLLM's), and the managers stay identical."""
+    counts = _run(2_000, 600, 3, SEED)
+    assert counts["native_steps"] == 0 < counts["vllm_steps"]
+
+
+def test_the_hybrid_step_is_bound_only_on_a_known_release():
+    """install() arms the hybrid step exactly when the installed vLLM's hybrid sources
+    are the bound release's (KNOWN_HYBRID_SOURCES); after uninstall() vLLM's
+    allocate_slots runs every step again."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    kvpool.install()
+    try:
+        assert _core.hybrid_running_step_state()["enabled"] == _installed_release_is_known()
+    finally:
+        kvpool.uninstall()
+    assert KVCacheManager.allocate_slots is not _core.kv_cache_manager_allocate_slots
+
+
+@needs_known_release
+@pytest.mark.parametrize("where", ["class", "instance", "coordinator instance"])
+def test_a_patched_method_sends_hybrid_steps_to_vllm(monkeypatch, where):
+    """A skipped method patched after install (on a manager's class, a manager
+    instance, the coordinator instance) is called as vLLM calls it: the step is vLLM's."""
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    kvpool.install()
+    manager = _manager(200, 2, False, 3)
+    req = make_request("a", list(range(40)), max_tokens=100, block_size=BLOCK_SIZE)
+    from vllm.v1.request import RequestStatus
+
+    assert manager.allocate_slots(req, 40) is not None
+    req.status, req.num_computed_tokens = RequestStatus.RUNNING, 40
+    req.append_output_token_ids(7)
+    swa = manager.coordinator.single_type_managers[1]
+    seen = []
+    original = SlidingWindowManager.get_num_skipped_tokens
+
+    def counting(self, *args, **kwargs):
+        seen.append(args)
+        return original(self, *args, **kwargs)
+
+    if where == "class":
+        monkeypatch.setattr(SlidingWindowManager, "get_num_skipped_tokens", counting)
+    elif where == "instance":
+        swa.get_num_skipped_tokens = counting.__get__(swa)
+    else:
+        coordinator = manager.coordinator
+        vanilla_remove = type(coordinator).remove_skipped_blocks
+        coordinator.remove_skipped_blocks = lambda *a, **k: (seen.append(a), vanilla_remove(coordinator, *a, **k))[1]
+    state = _core.hybrid_running_step_state()
+    assert manager.allocate_slots(req, 1) is manager.empty_kv_cache_blocks
+    assert seen, "vLLM's code did not run the patched method"
+    after = _core.hybrid_running_step_state()
+    assert after["native_steps"] == state["native_steps"] and after["vllm_steps"] == state["vllm_steps"] + 1
+
+
+def _outcome(fn):
+    try:
+        return ("ok", fn())
+    except Exception as e:  # noqa: BLE001 - the exception's type is what is compared
+        return ("raised", type(e).__name__)
+
+
+@needs_known_release
+@pytest.mark.parametrize("target,attr,value", [
+    (None, None, None),   # the control: this step is idle, and native
+    ("request", "num_computed_tokens", True),
+    ("request", "num_computed_tokens", 2**70),
+    ("request", "num_in_flight_tokens", 2.0),
+    ("request", "num_in_flight_tokens", -3),
+    ("request", "block_hashes", ()),
+    ("swa", "sliding_window", 48.0),
+    ("swa", "extra_retained_tokens", None),
+    ("swa", "enable_caching", 1),
+    ("swa", "req_to_blocks", {}),
+    ("coordinator", "drop_eagle_group_ids", {1}),
+    ("coordinator", "enable_partial_hash_hits", 0),
+], ids=lambda v: repr(v)[:20])
+def test_odd_values_get_vllms_step(target, attr, value):
+    """A value of another type or range where vLLM's code reads a number, a set, a dict
+    (a test's or a plugin's assignment): the step is vLLM's, which returns or raises
+    what it does on vLLM's own managers (the control, with every value vLLM's own: the
+    same step is native)."""
+    from vllm.v1.request import RequestStatus
+
+    kvpool.install()
+    outcomes = []
+    for allocate_slots in (_vanilla_allocate_slots(), _core.kv_cache_manager_allocate_slots):
+        manager = _manager(200, 2, False, 3)
+        req = make_request("a", list(range(70)), max_tokens=100, block_size=BLOCK_SIZE)
+        assert allocate_slots(manager, req, 70) is not None
+        req.status, req.num_computed_tokens = RequestStatus.RUNNING, 70
+        req.append_output_token_ids(7)
+        # (this step frees the block that left the sliding window: not idle)
+        assert allocate_slots(manager, req, 1) is manager.empty_kv_cache_blocks
+        req.num_computed_tokens += 1
+        req.append_output_token_ids(8)
+        if target is not None:
+            owner = {"request": req, "swa": manager.coordinator.single_type_managers[1],
+                     "coordinator": manager.coordinator}[target]
+            setattr(owner, attr, value)
+        before = _core.hybrid_running_step_state()["native_steps"]
+        outcome = _outcome(lambda: _summary(manager, allocate_slots(manager, req, 1)))
+        native = target is None and allocate_slots is _core.kv_cache_manager_allocate_slots
+        assert _core.hybrid_running_step_state()["native_steps"] == before + native
+        outcomes.append((outcome, _state(manager)))
+    assert outcomes[0] == outcomes[1]
