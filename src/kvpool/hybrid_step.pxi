@@ -19,38 +19,49 @@ cdef class _HybridStep:
     cdef public object coordinator_cls       # vLLM's HybridKVCacheCoordinator
     cdef public object full_attention_cls    # FullAttentionManager
     cdef public object sliding_window_cls    # SlidingWindowManager
+    cdef public object full_spec_cls, sliding_spec_cls   # FullAttentionSpec, SlidingWindowSpec
+    cdef public object request_cls           # vLLM's Request (its num_tokens property)
     cdef public tuple class_checks           # ((cls, name, function), ...)
     cdef public tuple coordinator_names      # not to be set on the coordinator instance
     cdef public tuple single_type_names      # ... nor on a group's manager
     cdef readonly tuple step_globals         # ((namespace dict, name, value), ...)
     cdef vector[PyObject*] step_checks
-    cdef unsigned int tags[3]
+    cdef unsigned int tags[6]
     cdef public Py_ssize_t native_steps, vllm_steps
 
     def __init__(self):
         self.enabled = False
         self.class_checks = self.coordinator_names = self.single_type_names = ()
         self.step_globals = ()
-        self.tags[0] = self.tags[1] = self.tags[2] = 0
+        self.tags[0] = 0
         self.native_steps = self.vllm_steps = 0
 
     cdef bint classes_unchanged(self):
-        """The hybrid coordinator's and the two managers' classes still resolve every
-        mirrored method to vLLM's function, and the module names they read are
-        vLLM's (checked through getattr after any change to the classes)."""
+        """The hybrid coordinator's, the two managers', their specs' and the request's
+        classes still resolve every mirrored method and property to vLLM's, and the
+        module names they read are vLLM's (no module name shadows a builtin they call;
+        checked through getattr after any change to the classes)."""
+        cdef int i
+        cdef PyObject* classes[6]
         if not _namespace_entries_are(self.step_checks):
             return False
-        if (self.tags[0] != 0
-                and kvpool_type_tag(<PyObject*>self.coordinator_cls) == self.tags[0]
-                and kvpool_type_tag(<PyObject*>self.full_attention_cls) == self.tags[1]
-                and kvpool_type_tag(<PyObject*>self.sliding_window_cls) == self.tags[2]):
-            return True
+        classes[0] = <PyObject*>self.coordinator_cls
+        classes[1] = <PyObject*>self.full_attention_cls
+        classes[2] = <PyObject*>self.sliding_window_cls
+        classes[3] = <PyObject*>self.full_spec_cls
+        classes[4] = <PyObject*>self.sliding_spec_cls
+        classes[5] = <PyObject*>self.request_cls
+        if self.tags[0] != 0:
+            i = 0
+            while i < 6 and kvpool_type_tag(classes[i]) == self.tags[i]:
+                i += 1
+            if i == 6:
+                return True
         if not _resolve_to(self.class_checks):
             self.tags[0] = 0
             return False
-        self.tags[0] = kvpool_type_tag(<PyObject*>self.coordinator_cls)
-        self.tags[1] = kvpool_type_tag(<PyObject*>self.full_attention_cls)
-        self.tags[2] = kvpool_type_tag(<PyObject*>self.sliding_window_cls)
+        for i in range(6):
+            self.tags[i] = kvpool_type_tag(classes[i])
         return True
 
 
@@ -61,6 +72,7 @@ cdef object _HYBRID = object()   # _eligible: the coordinator is the hybrid one 
 
 
 def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, sliding_window_cls,
+                                  full_spec_cls, sliding_spec_cls, request_cls,
                                   class_checks, coordinator_names, single_type_names,
                                   step_globals=()):
     """Arm the hybrid running step of :func:`kv_cache_manager_allocate_slots` (called by
@@ -69,13 +81,18 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
 
     ``class_checks``: ``(class, name, function)`` triples that must hold (vLLM's
     ``HybridKVCacheCoordinator``, ``FullAttentionManager``, ``SlidingWindowManager``
-    methods the step's code calls); ``*_names``: method names that must not be set on
-    the coordinator / group manager instances; ``step_globals``: ``(namespace dict, name,
-    value)`` triples of the module names those methods read."""
+    methods the step's code calls, the specs' ``prefix_cacheable`` and the request's
+    ``num_tokens`` properties); ``*_names``: method names that must not be set on the
+    coordinator / group manager instances; ``step_globals``: ``(namespace dict, name,
+    value)`` triples of the module names those methods read (value None: the name must
+    be absent, a builtin they call)."""
     _hybrid.enabled = False
     _hybrid.coordinator_cls = coordinator_cls
     _hybrid.full_attention_cls = full_attention_cls
     _hybrid.sliding_window_cls = sliding_window_cls
+    _hybrid.full_spec_cls = full_spec_cls
+    _hybrid.sliding_spec_cls = sliding_spec_cls
+    _hybrid.request_cls = request_cls
     _hybrid.class_checks = tuple(class_checks)
     _hybrid.coordinator_names = tuple(coordinator_names)
     _hybrid.single_type_names = tuple(single_type_names)
@@ -95,70 +112,95 @@ def hybrid_running_step_state():
 
 
 cdef object _hybrid_running_step(_AllocateSlotsFastPath fp, manager, request, _Step* s,
-                                 bint has_scheduled_reqs):
+                                 bint has_scheduled_reqs, bint delay_cache_blocks):
     """vLLM 0.34.0's ``KVCacheManager.allocate_slots`` for a running request under
     ``HybridKVCacheCoordinator`` (the manager already checked by :func:`_eligible`, the
     arguments by :func:`_step_arguments`) when every group is idle
-    (:func:`_hybrid_group_idle`): the manager's ``empty_kv_cache_blocks``, or None when
+    (:func:`_hybrid_step_idle`): the manager's ``empty_kv_cache_blocks``, or None when
     the watermark / reserved blocks refuse the step as vLLM's free-count check does;
-    _VLLM otherwise, before anything is changed."""
+    _VLLM otherwise, before anything is changed. An attribute missing where the step
+    reads one (a test's or a plugin's deletion) also leaves the call to vLLM's code,
+    which reads it, or not, as it does: every read here is a plain attribute of an
+    object of vLLM's exact class, so reading it twice runs no code twice."""
     cdef _HybridStep hp = _hybrid
-    cdef long long in_flight, request_tokens, total, main, processed, n_cache, free_blocks
-    cdef Py_ssize_t i, n_groups, n_hashes
-    coordinator = manager.coordinator
-    if (not hp.classes_unchanged() or not _not_overridden(coordinator, hp.coordinator_names)
-            or not _hybrid_coordinator_plain(coordinator)):
+    cdef long long free_blocks = 0
+    try:
+        idle = _hybrid_step_idle(hp, fp, manager, request, s, has_scheduled_reqs,
+                                 delay_cache_blocks, &free_blocks)
+    except AttributeError:
+        idle = False
+    if not idle:
         hp.vllm_steps += 1
         return _VLLM
+    hp.native_steps += 1
+    if fp.manager_hooks:
+        # kvpool.patches.manager_hooks._recording_expected_tokens
+        policy = getattr(manager.block_pool, "_policy", None)
+        if policy is not None:
+            policy.expect_tokens(request.request_id, request.num_prompt_tokens + request.max_tokens)
+    if s.watermark > free_blocks - s.reserved:
+        return None
+    return manager.empty_kv_cache_blocks
+
+
+cdef bint _hybrid_step_idle(_HybridStep hp, _AllocateSlotsFastPath fp, manager, request,
+                            _Step* s, bint has_scheduled_reqs, bint delay_cache_blocks,
+                            long long* free_blocks) except -1:
+    """Every group of the step is idle (:func:`_hybrid_group_idle`) and the pool's free
+    count is read natively into ``free_blocks`` (``get_num_free_blocks`` vLLM's: one that
+    is not is vLLM's to call); False otherwise."""
+    cdef long long in_flight, request_tokens, total, main, need, processed, n_cache
+    cdef Py_ssize_t i, n_groups, n_hashes = 0
+    if type(request) is not hp.request_cls or not hp.classes_unchanged():
+        return False
+    coordinator = manager.coordinator
+    if (not _not_overridden(coordinator, hp.coordinator_names)
+            or not _hybrid_coordinator_plain(coordinator, delay_cache_blocks)):
+        return False
     managers = coordinator.single_type_managers
     request_id = request.request_id
-    block_hashes = request.block_hashes
-    empty = manager.empty_kv_cache_blocks
-    empty_blocks = getattr(empty, "blocks", None)
+    empty_blocks = getattr(manager.empty_kv_cache_blocks, "blocks", None)
     if (type(managers) is not tuple or type(request_id) is not str
-            or type(block_hashes) is not list or type(empty_blocks) is not tuple
+            or type(empty_blocks) is not tuple
             or len(<tuple>empty_blocks) != len(<tuple>managers)
             or not _hybrid_request_numbers(fp, manager, request, s, has_scheduled_reqs,
                                            &in_flight, &request_tokens)):
-        hp.vllm_steps += 1
-        return _VLLM
+        return False
+    if not delay_cache_blocks:
+        block_hashes = request.block_hashes
+        if type(block_hashes) is not list:
+            return False
+        n_hashes = len(<list>block_hashes)
     # allocate_slots' arithmetic (a running request: no new hit, no external tokens)
     total = s.computed if s.computed < s.max_len else s.max_len
     main = total + s.new_tokens
     need = main + s.lookahead if main + s.lookahead < s.max_len else s.max_len
     processed = total - in_flight if total > in_flight else 0
     n_cache = main if main < request_tokens else request_tokens
-    n_hashes = len(<list>block_hashes)
     n_groups = len(<tuple>managers)
     for i in range(n_groups):
         if not _hybrid_group_idle(hp, (<tuple>managers)[i], <str>request_id, need, processed,
-                                  n_cache, n_hashes, (<tuple>empty_blocks)[i]):
-            hp.vllm_steps += 1
-            return _VLLM
-    pool = manager.block_pool
-    if not _native_free_count(fp, pool, &free_blocks) \
-            and not _nonneg(pool.get_num_free_blocks(), &free_blocks):
-        hp.vllm_steps += 1
-        return _VLLM
-    hp.native_steps += 1
-    if fp.manager_hooks:
-        # kvpool.patches.manager_hooks._recording_expected_tokens
-        policy = getattr(pool, "_policy", None)
-        if policy is not None:
-            policy.expect_tokens(request_id, request.num_prompt_tokens + request.max_tokens)
-    if s.watermark > free_blocks - s.reserved:
-        return None
-    return empty
+                                  -1 if delay_cache_blocks else n_cache, n_hashes,
+                                  (<tuple>empty_blocks)[i]):
+            return False
+    return _native_free_count(fp, manager.block_pool, free_blocks)
 
 
-cdef bint _hybrid_coordinator_plain(coordinator):
-    """What the hybrid coordinator's ``cache_blocks`` reads before it reaches the
-    groups is plain: no EAGLE group (``drop_eagle_group_ids`` an empty set, as vLLM
-    builds it without EAGLE: ``replay_boundaries`` then needs no block size), a positive
-    int ``scheduler_block_size`` and a bool ``enable_partial_hash_hits``
-    (``_align_cacheable``), so vLLM's ``get_num_cacheable_tokens`` returns at most the
-    tokens it is given and raises nothing; anything else is vLLM's to run."""
+cdef bint _hybrid_coordinator_plain(coordinator, bint delay_cache_blocks) except -1:
+    """What the hybrid coordinator reads of itself is plain: ``retention_interval`` an
+    int or None (``get_num_blocks_to_allocate`` compares it with 0); unless the caching
+    is delayed (``cache_blocks`` not called), no EAGLE group (``drop_eagle_group_ids`` an
+    empty set, as vLLM builds it without EAGLE: ``replay_boundaries`` then needs no block
+    size), a positive int ``scheduler_block_size`` and a bool
+    ``enable_partial_hash_hits`` (``_align_cacheable``), so vLLM's
+    ``get_num_cacheable_tokens`` returns at most the tokens it is given and raises
+    nothing; anything else is vLLM's to run."""
     cdef long long sbs
+    retention = coordinator.retention_interval
+    if retention is not None and type(retention) is not int:
+        return False
+    if delay_cache_blocks:
+        return True
     eagle = coordinator.drop_eagle_group_ids
     partial = coordinator.enable_partial_hash_hits
     return ((type(eagle) is set or type(eagle) is frozenset) and len(eagle) == 0
@@ -203,7 +245,13 @@ cdef bint _hybrid_group_idle(_HybridStep hp, mgr, str request_id, long long need
     code runs the call."""
     cdef long long bs, hash_bs, n_cached, window, extra, skipped, n_skip, full
     cdef object t = type(mgr)
-    if t is not hp.full_attention_cls and t is not hp.sliding_window_cls:
+    if t is hp.full_attention_cls:
+        spec_cls = hp.full_spec_cls
+    elif t is hp.sliding_window_cls:
+        spec_cls = hp.sliding_spec_cls
+    else:
+        return False
+    if type(mgr.kv_cache_spec) is not spec_cls:   # (its prefix_cacheable: vLLM's, checked)
         return False
     if not _not_overridden(mgr, hp.single_type_names) or not _nonneg(mgr.block_size, &bs) or bs == 0:
         return False
@@ -231,7 +279,7 @@ cdef bint _hybrid_group_idle(_HybridStep hp, mgr, str request_id, long long need
                 return False
     if (need + bs - 1) // bs > len(<list>blocks):
         return False
-    if mgr.enable_caching is False:
+    if n_cache < 0 or mgr.enable_caching is False:   # (n_cache -1: caching delayed)
         return True
     if (mgr.enable_caching is not True or mgr.use_eagle is not False
             or not _nonneg(mgr.block_pool.hash_block_size, &hash_bs)

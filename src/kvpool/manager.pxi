@@ -202,14 +202,15 @@ cdef inline bint _namespace_entries_are(vector[PyObject*]& checks):
 
 
 cdef int _fill_checks(vector[PyObject*]& out, tuple triples) except -1:
-    """``triples`` ((dict, str, function), ...) into ``out`` as borrowed pointers."""
+    """``triples`` ((dict, str, function), ...) into ``out`` as borrowed pointers (a
+    function None: NULL, the name must be absent from the dict)."""
     out.clear()
     for d, name, func in triples:
         if type(d) is not dict or type(name) is not str:
             raise TypeError("(namespace dict, name, function) triples expected")
         out.push_back(<PyObject*>d)
         out.push_back(<PyObject*>name)
-        out.push_back(<PyObject*>func)
+        out.push_back(<PyObject*>NULL if func is None else <PyObject*>func)   # None: name absent
     return 0
 
 
@@ -607,7 +608,8 @@ cdef object _allocate_slots_native(self, request, num_new_tokens, num_new_comput
     if mgr is None:
         return _VLLM
     if mgr is _HYBRID:
-        return _hybrid_running_step(fp, self, request, &s, has_scheduled_reqs is True)
+        return _hybrid_running_step(fp, self, request, &s, has_scheduled_reqs is True,
+                                    delay_cache_blocks is True)
     coordinator = self.coordinator
     request_id = request.request_id
     if (type(request_id) is not str

@@ -208,11 +208,13 @@ def test_the_hybrid_step_is_bound_only_on_a_known_release():
 
 
 @needs_known_release
-@pytest.mark.parametrize("where", ["class", "instance", "coordinator instance"])
+@pytest.mark.parametrize("where", ["class", "instance", "coordinator instance", "base class"])
 def test_a_patched_method_sends_hybrid_steps_to_vllm(monkeypatch, where):
     """A skipped method patched after install (on a manager's class, a manager
-    instance, the coordinator instance) is called as vLLM calls it: the step is vLLM's."""
-    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+    instance, the coordinator instance, the managers' base class, whose cache_blocks
+    FullAttentionManager's calls through super()) is called as vLLM calls it: the step
+    is vLLM's."""
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager, SlidingWindowManager
 
     kvpool.install()
     manager = _manager(200, 2, False, 3)
@@ -232,6 +234,14 @@ def test_a_patched_method_sends_hybrid_steps_to_vllm(monkeypatch, where):
 
     if where == "class":
         monkeypatch.setattr(SlidingWindowManager, "get_num_skipped_tokens", counting)
+    elif where == "base class":
+        vanilla_cache = SingleTypeKVCacheManager.cache_blocks
+
+        def counting_cache(self, *args, **kwargs):
+            seen.append(args)
+            return vanilla_cache(self, *args, **kwargs)
+
+        monkeypatch.setattr(SingleTypeKVCacheManager, "cache_blocks", counting_cache)
     elif where == "instance":
         swa.get_num_skipped_tokens = counting.__get__(swa)
     else:
@@ -241,8 +251,9 @@ def test_a_patched_method_sends_hybrid_steps_to_vllm(monkeypatch, where):
     state = _core.hybrid_running_step_state()
     assert manager.allocate_slots(req, 1) is manager.empty_kv_cache_blocks
     assert seen, "vLLM's code did not run the patched method"
-    after = _core.hybrid_running_step_state()
-    assert after["native_steps"] == state["native_steps"] and after["vllm_steps"] == state["vllm_steps"] + 1
+    # (vLLM's: from the hybrid step's own checks, or before it from the manager path's,
+    # which also guard the managers' base class)
+    assert _core.hybrid_running_step_state()["native_steps"] == state["native_steps"]
 
 
 def _outcome(fn):
@@ -295,4 +306,73 @@ def test_odd_values_get_vllms_step(target, attr, value):
         native = target is None and allocate_slots is _core.kv_cache_manager_allocate_slots
         assert _core.hybrid_running_step_state()["native_steps"] == before + native
         outcomes.append((outcome, _state(manager)))
+    assert outcomes[0] == outcomes[1]
+
+
+class _NeRaises:
+    def __ne__(self, other):
+        raise RuntimeError("compared")
+
+    __eq__ = __ne__
+    __hash__ = object.__hash__
+
+
+def _counting_property(calls: list, original: property, result=None) -> property:
+    def getter(self):
+        calls.append(type(self).__name__)
+        return original.fget(self) if result is None else result
+
+    return property(getter)
+
+
+@needs_known_release
+@pytest.mark.parametrize("case", ["retention interval", "builtin shadowed", "spec property", "num_tokens property",
+                                  "free count of another type", "missing attribute, refused", "delayed caching"])
+def test_what_vllm_reads_is_read_as_vllm_reads_it(monkeypatch, case):
+    """What vLLM's step reads and the idle test does not (or reads fewer times), made
+    observable: a ``retention_interval`` whose comparison raises, a module name
+    shadowing a builtin vLLM calls, a patched spec or request property that counts its
+    calls, a ``get_num_free_blocks`` patched on the pool to return a float (vLLM calls
+    it once), an attribute deleted that vLLM reads only after refusing the step, and
+    ``request.block_hashes`` deleted where vLLM delays the caching (never reading it).
+    vLLM's and the native call return or raise the same and see the same calls."""
+    from vllm.v1.core import kv_cache_manager
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm.v1.request import Request, RequestStatus
+
+    kvpool.install()
+    outcomes = []
+    kwargs = {"reserved_blocks": 10_000} if case == "missing attribute, refused" else \
+        {"delay_cache_blocks": True} if case == "delayed caching" else {}
+    for allocate_slots in (_vanilla_allocate_slots(), _core.kv_cache_manager_allocate_slots):
+        manager = _manager(200, 2, False, 3)
+        req = make_request("a", list(range(70)), max_tokens=100, block_size=BLOCK_SIZE)
+        assert allocate_slots(manager, req, 70) is not None
+        req.status, req.num_computed_tokens = RequestStatus.RUNNING, 70
+        for token in (7, 8):   # (the first step frees the block that left the window)
+            req.append_output_token_ids(token)
+            assert allocate_slots(manager, req, 1) is manager.empty_kv_cache_blocks
+            req.num_computed_tokens += 1
+        calls: list = []
+        with monkeypatch.context() as m:
+            if case == "retention interval":
+                manager.coordinator.retention_interval = _NeRaises()
+            elif case == "builtin shadowed":
+                m.setattr(kv_cache_manager, "max", lambda *a: calls.append(a) or max(*a), raising=False)
+            elif case == "spec property":
+                m.setattr(SlidingWindowSpec, "prefix_cacheable",
+                          _counting_property(calls, SlidingWindowSpec.prefix_cacheable))
+            elif case == "num_tokens property":
+                m.setattr(Request, "num_tokens", _counting_property(calls, Request.num_tokens))
+            elif case == "free count of another type":
+                pool = manager.block_pool
+                pool.get_num_free_blocks = lambda: calls.append(1) or float(type(pool).get_num_free_blocks(pool))
+            elif case == "missing attribute, refused":
+                del manager.coordinator.single_type_managers[1]._partial_hit_reqs
+            else:
+                del req.block_hashes
+            before = _core.hybrid_running_step_state()["native_steps"]
+            outcome = _outcome(lambda: _summary(manager, allocate_slots(manager, req, 1, **kwargs)))
+            assert _core.hybrid_running_step_state()["native_steps"] == before or case == "delayed caching"
+        outcomes.append((outcome, calls))
     assert outcomes[0] == outcomes[1]

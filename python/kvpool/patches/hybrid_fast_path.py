@@ -62,6 +62,8 @@ HYBRID_MIRRORED: tuple[tuple[str, str], ...] = (
     ("SlidingWindowManager", "allocate_new_blocks"),
     ("SlidingWindowManager", "cache_blocks"),
     ("SingleTypeKVCacheManager", "cache_blocks"),
+    ("FullAttentionSpec", "prefix_cacheable"),
+    ("SlidingWindowSpec", "prefix_cacheable"),
     ("kv_cache_coordinator", "replay_boundaries"),
     ("single_type_kv_cache_manager", "cdiv"),
 )
@@ -84,16 +86,20 @@ HYBRID_LAYOUT: tuple[tuple[str, str | None], ...] = (
 
 #: sha256 of :func:`hybrid_source` per vLLM release the hybrid step was checked against.
 KNOWN_HYBRID_SOURCES: dict[str, str] = {
-    "0.34.0": "e1e732bbe34af7d98cca03e60f5bda597c71ae82cdc89276c479107df323ed39",
+    "0.34.0": "5d15b2d742f427ee8e8873d489e008dda5939b64b1c190e5da52cebad5ddefb5",
 }
 
-# The classes whose methods every hybrid step checks through their version tags.
-_CHECKED = ("HybridKVCacheCoordinator", "FullAttentionManager", "SlidingWindowManager")
+# The classes whose methods and properties every hybrid step checks (through the
+# version tags of all but SingleTypeKVCacheManager: a change to it, whose cache_blocks
+# FullAttentionManager.cache_blocks calls through super(), invalidates its subclasses'
+# tags). Request: its num_tokens property (LAYOUT), which vLLM reads more often.
+_CHECKED = ("HybridKVCacheCoordinator", "FullAttentionManager", "SlidingWindowManager",
+            "SingleTypeKVCacheManager", "FullAttentionSpec", "SlidingWindowSpec")
 
 
 def hybrid_classes() -> dict[str, Any]:
     """The installed vLLM's classes and modules :data:`HYBRID_MIRRORED` names."""
-    from vllm.v1 import request
+    from vllm.v1 import kv_cache_interface, request
     from vllm.v1.core import kv_cache_coordinator, kv_cache_manager, single_type_kv_cache_manager
 
     return {
@@ -103,6 +109,8 @@ def hybrid_classes() -> dict[str, Any]:
         "SingleTypeKVCacheManager": single_type_kv_cache_manager.SingleTypeKVCacheManager,
         "FullAttentionManager": single_type_kv_cache_manager.FullAttentionManager,
         "SlidingWindowManager": single_type_kv_cache_manager.SlidingWindowManager,
+        "FullAttentionSpec": kv_cache_interface.FullAttentionSpec,
+        "SlidingWindowSpec": kv_cache_interface.SlidingWindowSpec,
         "Request": request.Request,
         "KVCacheBlocks": kv_cache_manager.KVCacheBlocks,
         "kv_cache_coordinator": kv_cache_coordinator,
@@ -152,15 +160,21 @@ def hybrid_fingerprint(classes: dict[str, Any] | None = None) -> str | None:
 def _step_globals(classes: dict[str, Any]) -> tuple[tuple[dict, str, Any], ...]:
     """``(namespace dict, name, value)`` of every function and class the mirrored
     methods read from their modules (``cdiv``, ``round_down``, ``replay_boundaries``,
-    ``CrossAttentionManager``, ...): replaced there after install, the step is vLLM's."""
+    ``CrossAttentionManager``, ...), and ``(namespace dict, name, None)`` of every
+    builtin they call (``max``, ``len``, ...), which no module name may shadow: replaced
+    or shadowed there after install, the step is vLLM's."""
     found: dict[tuple[int, str], tuple[dict, str, Any]] = {}
     for cls_name, name in HYBRID_MIRRORED:
         func = _resolved(classes, cls_name, name)
         if not isinstance(func, types.FunctionType):
             continue
-        for gname, value in inspect.getclosurevars(func).globals.items():
+        names = inspect.getclosurevars(func)
+        for gname, value in names.globals.items():
             if isinstance(value, (types.FunctionType, type)) and func.__globals__.get(gname) is value:
                 found[(id(func.__globals__), gname)] = (func.__globals__, gname, value)
+        for bname in names.builtins:
+            if bname not in func.__globals__:
+                found[(id(func.__globals__), bname)] = (func.__globals__, bname, None)
     return tuple(found.values())
 
 
@@ -194,10 +208,14 @@ def bind(release: str) -> bool:
     # wrappers, which an idle step has nothing to do for; the native step tells the
     # policy the request's length as the hook on allocate_slots does)
     class_checks = [(classes[c], n, _bound_function(classes[c], n)) for c, n in HYBRID_MIRRORED if c in _CHECKED]
+    class_checks.append((classes["Request"], "num_tokens", _bound_function(classes["Request"], "num_tokens")))
     _core.configure_hybrid_running_step(
         coordinator_cls=classes["HybridKVCacheCoordinator"],
         full_attention_cls=classes["FullAttentionManager"],
         sliding_window_cls=classes["SlidingWindowManager"],
+        full_spec_cls=classes["FullAttentionSpec"],
+        sliding_spec_cls=classes["SlidingWindowSpec"],
+        request_cls=classes["Request"],
         class_checks=class_checks,
         coordinator_names=HYBRID_COORDINATOR_NAMES,
         single_type_names=HYBRID_SINGLE_TYPE_NAMES,
