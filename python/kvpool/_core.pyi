@@ -214,6 +214,7 @@ def configure_allocate_slots_fast_path(
     vanilla_cache_blocks: Any = None,
     no_prefix_cache_cls: type | None = None,
     block_ids_map: bool = False,
+    request_cls: type | None = None,
 ) -> None: ...
 def disable_allocate_slots_fast_path() -> None: ...
 def configure_hybrid_running_step(

@@ -102,7 +102,8 @@ cdef class _AllocateSlotsFastPath:
     cdef public tuple lookup_specs        # the spec types FullAttentionManager asserts
     cdef public str eagle_attr            # the coordinator's EAGLE group ids attribute
     cdef public Py_ssize_t native_lookups, vllm_lookups
-    cdef unsigned int tags[4]
+    cdef unsigned int tags[5]
+    cdef public object request_cls        # vLLM's Request (its num_tokens property), or None
     cdef unsigned int pool_tag, map_tag
 
     def __init__(self):
@@ -129,7 +130,8 @@ cdef class _AllocateSlotsFastPath:
         self.cache_checks = ()
         self.module_functions = ()
         self.step_globals = ()
-        self.tags[0] = self.tags[1] = self.tags[2] = self.tags[3] = 0
+        self.tags[0] = self.tags[1] = self.tags[2] = self.tags[3] = self.tags[4] = 0
+        self.request_cls = None
         self.no_prefix_cache_cls = None
         self.pool_tag = 0
         self.map_tag = 0
@@ -144,7 +146,9 @@ cdef class _AllocateSlotsFastPath:
         if (self.tags[0] != 0 and kvpool_type_tag(<PyObject*>self.manager_cls) == self.tags[0]
                 and kvpool_type_tag(<PyObject*>self.coordinator_cls) == self.tags[1]
                 and kvpool_type_tag(<PyObject*>self.full_attention_cls) == self.tags[2]
-                and (no_cache is None or kvpool_type_tag(<PyObject*>no_cache) == self.tags[3])):
+                and (no_cache is None or kvpool_type_tag(<PyObject*>no_cache) == self.tags[3])
+                and (self.request_cls is None
+                     or kvpool_type_tag(<PyObject*>self.request_cls) == self.tags[4])):
             return True
         if not _resolve_to(self.class_checks):
             self.tags[0] = 0
@@ -154,6 +158,8 @@ cdef class _AllocateSlotsFastPath:
         self.tags[2] = kvpool_type_tag(<PyObject*>self.full_attention_cls)
         if no_cache is not None:
             self.tags[3] = kvpool_type_tag(<PyObject*>no_cache)
+        if self.request_cls is not None:
+            self.tags[4] = kvpool_type_tag(<PyObject*>self.request_cls)
         return True
 
     cdef bint cache_path_unchanged(self):
@@ -244,7 +250,8 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
                                        map_names=(), cache_checks=(),
                                        module_functions=(), step_globals=(), native_cache=False,
                                        check_prefix_cacheable=True, vanilla_cache_blocks=None,
-                                       no_prefix_cache_cls=None, block_ids_map=False):
+                                       no_prefix_cache_cls=None, block_ids_map=False,
+                                       request_cls=None):
     """Arm :func:`kv_cache_manager_allocate_slots` (called by
     ``kvpool.patches.manager_fast_path``; ``disable_allocate_slots_fast_path`` undoes it).
 
@@ -264,11 +271,15 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
     allocation methods are ``coordinator_cls``'s (prefix caching off), or None.
     ``block_ids_map``: the map's layout is vLLM >= 0.34.0's (``_cache`` of block ids,
     ``_dup_ids``); else 0.30.0-0.33.0's (blocks, a dict of them for duplicates).
+    ``request_cls``: vLLM's ``Request``; a running request must be of exactly that class
+    and ``class_checks`` hold its ``num_tokens`` property (vLLM reads it more often than
+    the native path does), or None.
     """
     _fast_path.manager_cls = manager_cls
     _fast_path.coordinator_cls = coordinator_cls
     _fast_path.full_attention_cls = full_attention_cls
     _fast_path.no_prefix_cache_cls = no_prefix_cache_cls
+    _fast_path.request_cls = request_cls
     _fast_path.vanilla = vanilla
     _fast_path.waiting = waiting
     _fast_path.preempted = preempted
@@ -552,6 +563,8 @@ cdef bint _running_step(_AllocateSlotsFastPath fp, manager, coordinator, mgr, re
     table, no pending copy-on-write block, and the counts vLLM's arithmetic reads are
     exact ints), its numbers read into ``s``; False otherwise (vLLM's call)."""
     s.watermark = 0
+    if fp.request_cls is not None and type(request) is not fp.request_cls:
+        return False
     num_cached_block = mgr.num_cached_block
     if type(coordinator) is fp.coordinator_cls:
         running = type(num_cached_block) is dict and request_id in <dict>num_cached_block

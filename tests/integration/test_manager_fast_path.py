@@ -1023,3 +1023,26 @@ def test_contiguous_policy_with_native_allocate_slots_matches_its_python_path(mo
     assert fast_after - fast > 3 * (slow_after - slow) > 0
     for i, (a, b) in enumerate(zip(python_path, native)):
         assert a == b, f"step {i}"
+
+
+def test_a_patched_request_property_sends_calls_to_vllm(monkeypatch):
+    """``Request.num_tokens`` patched after install (a property that counts its reads):
+    vLLM's allocate_slots reads it more often than the native arithmetic would, so the
+    call is vLLM's and the property sees vLLM's reads."""
+    from vllm.v1.request import Request
+
+    kvpool.install()
+    original = Request.num_tokens
+    counts = []
+    for allocate_slots in (_vanilla_allocate_slots(), _core.kv_cache_manager_allocate_slots):
+        manager = _manager(64)
+        req = _running(manager)
+        seen: list = []
+        with monkeypatch.context() as m:
+            m.setattr(Request, "num_tokens", property(lambda self: seen.append(1) or original.fget(self)))
+            fast, slow = _calls()
+            assert _summary(manager, allocate_slots(manager, req, 1)) == (True, [[]])
+            if allocate_slots is _core.kv_cache_manager_allocate_slots:
+                assert _calls() == (fast, slow + 1)
+        counts.append(len(seen))
+    assert counts[0] == counts[1] > 0

@@ -45,8 +45,8 @@ the release's :class:`kvpool.vllm_compat.VllmRelease`. Under a policy with manag
 (``allocation="contiguous"``: :mod:`kvpool.patches.manager_hooks`, applied before this
 module) the native path does what those hooks do: it tells the policy the request's
 expected length and runs the pool's allocation in the table's context. Hybrid models'
-idle running steps: :mod:`kvpool.patches.hybrid_fast_path`, armed from :func:`apply`.
-``uninstall()`` puts vLLM's methods back.
+idle running steps: :mod:`kvpool.patches.hybrid_fast_path`. ``uninstall()`` puts vLLM's
+methods back.
 """
 
 from __future__ import annotations
@@ -454,6 +454,7 @@ def apply(patcher) -> None:
     native_cache = _bind_cache_blocks(patcher, classes)
     class_checks = [(classes[c], n, _bound_function(classes[c], n)) for c, n in MIRRORED
                     if c in _CHECKED_CLASSES and (c, n) not in _BOUND]
+    class_checks.append((classes["Request"], "num_tokens", _bound_function(classes["Request"], "num_tokens")))
     no_prefix_cache_cls = _no_prefix_cache_coordinator(classes)
     if no_prefix_cache_cls is not None:
         class_checks += [(no_prefix_cache_cls, n, _bound_function(no_prefix_cache_cls, n))
@@ -486,15 +487,14 @@ def apply(patcher) -> None:
         block_ids_map=traits.block_ids_map,
         module_functions=module_functions,
         step_globals=step_globals,
+        request_cls=classes["Request"],
     )
     fast = _core.kv_cache_manager_allocate_slots
-    fast.__wrapped__ = vanilla          # inspect.signature() shows vLLM's
-    fast.__kvpool_wrapped__ = vanilla
+    fast.__wrapped__ = fast.__kvpool_wrapped__ = vanilla   # inspect.signature() shows vLLM's
     patcher.set_attr(manager_cls, "allocate_slots", fast)
     if native_cache:
         _bind_get_computed_blocks(patcher, classes, traits)
     hybrid_fast_path.bind(release)
 
 
-__all__ = ["KNOWN_SOURCES", "LAYOUT", "MIRRORED", "apply", "matching_release", "mirrored_source",
-           "source_fingerprint"]
+__all__ = ["KNOWN_SOURCES", "LAYOUT", "MIRRORED", "apply", "matching_release", "mirrored_source", "source_fingerprint"]
