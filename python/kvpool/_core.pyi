@@ -224,7 +224,6 @@ def configure_hybrid_running_step(
     sliding_window_cls: type,
     full_spec_cls: type,
     sliding_spec_cls: type,
-    request_cls: type,
     class_checks: Iterable[tuple[type, str, Any]],
     coordinator_names: Iterable[str],
     single_type_names: Iterable[str],

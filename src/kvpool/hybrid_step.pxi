@@ -20,13 +20,12 @@ cdef class _HybridStep:
     cdef public object full_attention_cls    # FullAttentionManager
     cdef public object sliding_window_cls    # SlidingWindowManager
     cdef public object full_spec_cls, sliding_spec_cls   # FullAttentionSpec, SlidingWindowSpec
-    cdef public object request_cls           # vLLM's Request (its num_tokens property)
     cdef public tuple class_checks           # ((cls, name, function), ...)
     cdef public tuple coordinator_names      # not to be set on the coordinator instance
     cdef public tuple single_type_names      # ... nor on a group's manager
     cdef readonly tuple step_globals         # ((namespace dict, name, value), ...)
     cdef vector[PyObject*] step_checks
-    cdef unsigned int tags[6]
+    cdef unsigned int tags[5]
     cdef public Py_ssize_t native_steps, vllm_steps
 
     def __init__(self):
@@ -37,12 +36,14 @@ cdef class _HybridStep:
         self.native_steps = self.vllm_steps = 0
 
     cdef bint classes_unchanged(self):
-        """The hybrid coordinator's, the two managers', their specs' and the request's
-        classes still resolve every mirrored method and property to vLLM's, and the
-        module names they read are vLLM's (no module name shadows a builtin they call;
-        checked through getattr after any change to the classes)."""
+        """The hybrid coordinator's, the two managers' and their specs' classes still
+        resolve every mirrored method and property to vLLM's, and the module names they
+        read are vLLM's (no module name shadows a builtin they call; checked through
+        getattr after any change to the classes). The request's class is the native
+        manager path's (``_AllocateSlotsFastPath.request_cls``), checked by
+        :func:`_eligible` before it returns ``_HYBRID``."""
         cdef int i
-        cdef PyObject* classes[6]
+        cdef PyObject* classes[5]
         if not _namespace_entries_are(self.step_checks):
             return False
         classes[0] = <PyObject*>self.coordinator_cls
@@ -50,17 +51,16 @@ cdef class _HybridStep:
         classes[2] = <PyObject*>self.sliding_window_cls
         classes[3] = <PyObject*>self.full_spec_cls
         classes[4] = <PyObject*>self.sliding_spec_cls
-        classes[5] = <PyObject*>self.request_cls
         if self.tags[0] != 0:
             i = 0
-            while i < 6 and kvpool_type_tag(classes[i]) == self.tags[i]:
+            while i < 5 and kvpool_type_tag(classes[i]) == self.tags[i]:
                 i += 1
-            if i == 6:
+            if i == 5:
                 return True
         if not _resolve_to(self.class_checks):
             self.tags[0] = 0
             return False
-        for i in range(6):
+        for i in range(5):
             self.tags[i] = kvpool_type_tag(classes[i])
         return True
 
@@ -72,7 +72,7 @@ cdef object _HYBRID = object()   # _eligible: the coordinator is the hybrid one 
 
 
 def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, sliding_window_cls,
-                                  full_spec_cls, sliding_spec_cls, request_cls,
+                                  full_spec_cls, sliding_spec_cls,
                                   class_checks, coordinator_names, single_type_names,
                                   step_globals=()):
     """Arm the hybrid running step of :func:`kv_cache_manager_allocate_slots` (called by
@@ -81,8 +81,7 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
 
     ``class_checks``: ``(class, name, function)`` triples that must hold (vLLM's
     ``HybridKVCacheCoordinator``, ``FullAttentionManager``, ``SlidingWindowManager``
-    methods the step's code calls, the specs' ``prefix_cacheable`` and the request's
-    ``num_tokens`` properties); ``*_names``: method names that must not be set on the
+    methods the step's code calls, the specs' ``prefix_cacheable`` properties); ``*_names``: method names that must not be set on the
     coordinator / group manager instances; ``step_globals``: ``(namespace dict, name,
     value)`` triples of the module names those methods read (value None: the name must
     be absent, a builtin they call)."""
@@ -92,7 +91,6 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
     _hybrid.sliding_window_cls = sliding_window_cls
     _hybrid.full_spec_cls = full_spec_cls
     _hybrid.sliding_spec_cls = sliding_spec_cls
-    _hybrid.request_cls = request_cls
     _hybrid.class_checks = tuple(class_checks)
     _hybrid.coordinator_names = tuple(coordinator_names)
     _hybrid.single_type_names = tuple(single_type_names)
@@ -151,7 +149,7 @@ cdef bint _hybrid_step_idle(_HybridStep hp, _AllocateSlotsFastPath fp, manager, 
     is not is vLLM's to call); False otherwise."""
     cdef long long in_flight, request_tokens, total, main, need, processed, n_cache
     cdef Py_ssize_t i, n_groups, n_hashes = 0
-    if type(request) is not hp.request_cls or not hp.classes_unchanged():
+    if type(request) is not fp.request_cls or not hp.classes_unchanged():
         return False
     coordinator = manager.coordinator
     if (not _not_overridden(coordinator, hp.coordinator_names)
@@ -214,21 +212,12 @@ cdef bint _hybrid_request_numbers(_AllocateSlotsFastPath fp, manager, request, _
     """The request's and manager's numbers that vLLM's arithmetic reads, as exact
     non-negative ints (else False: vLLM's call), into ``s`` / the outputs; the watermark
     of a waiting or preempted request."""
-    s.watermark = 0
-    if (not _nonneg(manager.max_model_len, &s.max_len)
-            or not _nonneg(request.num_computed_tokens, &s.computed)
-            or not _nonneg(request.num_in_flight_tokens, in_flight)
-            or type(request.num_prompt_tokens) is not int
-            or not _nonneg(request.num_tokens, request_tokens)):
-        return False
-    if has_scheduled_reqs:
-        status = request.status
-        if type(status) is not fp.status_type:
-            return False
-        if status is fp.waiting or status is fp.preempted:
-            if not _nonneg(manager.watermark_blocks, &s.watermark):
-                return False
-    return True
+    return (_nonneg(manager.max_model_len, &s.max_len)
+            and _nonneg(request.num_computed_tokens, &s.computed)
+            and _nonneg(request.num_in_flight_tokens, in_flight)
+            and type(request.num_prompt_tokens) is int
+            and _nonneg(request.num_tokens, request_tokens)
+            and _step_watermark(fp, manager, request, has_scheduled_reqs, s))
 
 
 cdef bint _hybrid_group_idle(_HybridStep hp, mgr, str request_id, long long need,

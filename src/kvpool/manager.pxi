@@ -562,7 +562,6 @@ cdef bint _running_step(_AllocateSlotsFastPath fp, manager, coordinator, mgr, re
     """The request is a running one whose step the native arithmetic computes (it has a
     table, no pending copy-on-write block, and the counts vLLM's arithmetic reads are
     exact ints), its numbers read into ``s``; False otherwise (vLLM's call)."""
-    s.watermark = 0
     if fp.request_cls is not None and type(request) is not fp.request_cls:
         return False
     num_cached_block = mgr.num_cached_block
@@ -586,13 +585,23 @@ cdef bint _running_step(_AllocateSlotsFastPath fp, manager, coordinator, mgr, re
             or type(request.num_in_flight_tokens) is not int
             or type(request.num_prompt_tokens) is not int):
         return False
-    if has_scheduled_reqs:
-        status = request.status
-        if type(status) is not fp.status_type:
-            return False
-        if status is fp.waiting or status is fp.preempted:
-            if not _nonneg(manager.watermark_blocks, &s.watermark):
-                return False
+    return _step_watermark(fp, manager, request, has_scheduled_reqs, s)
+
+
+cdef bint _step_watermark(_AllocateSlotsFastPath fp, manager, request,
+                          bint has_scheduled_reqs, _Step* s):
+    """``s.watermark``: vLLM's ``allocate_slots`` reserves the manager's
+    ``watermark_blocks`` (an exact non-negative int, else False: vLLM's call) for a
+    waiting or preempted request when ``has_scheduled_reqs``, else 0 (the status is then
+    not read, as vLLM does not read it)."""
+    s.watermark = 0
+    if not has_scheduled_reqs:
+        return True
+    status = request.status
+    if type(status) is not fp.status_type:
+        return False
+    if status is fp.waiting or status is fp.preempted:
+        return _nonneg(manager.watermark_blocks, &s.watermark)
     return True
 
 

@@ -26,6 +26,7 @@ import pytest
 import kvpool
 from kvpool import _core
 from kvpool.patches import hybrid_fast_path
+from tests.integration.test_manager_fast_path import _summary, _vanilla_allocate_slots
 from tests.support.map_view import map_entries
 from tests.support.scheduler import kv_cache_groups, make_request
 
@@ -57,18 +58,23 @@ def _manager(num_blocks: int, num_groups: int, events: bool, window_blocks: int)
     return manager
 
 
-def _vanilla_allocate_slots():
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
+def _decoding(allocate_slots):
+    """A manager (full attention + a 3-block sliding window, 200 blocks) and a request
+    decoding after a 70-token prompt, whose next 1-token step is idle in every group
+    (the first decode step freed the block that left the window), both through
+    ``allocate_slots``."""
+    from vllm.v1.request import RequestStatus
 
-    from kvpool.patches.manager_fast_path import _vanilla
-
-    return _vanilla(KVCacheManager, "allocate_slots")
-
-
-def _summary(manager, result):
-    if result is None:
-        return None
-    return (result is manager.empty_kv_cache_blocks, [[b.block_id for b in g] for g in result.blocks])
+    manager = _manager(200, 2, False, 3)
+    req = make_request("a", list(range(70)), max_tokens=100, block_size=BLOCK_SIZE)
+    assert allocate_slots(manager, req, 70) is not None
+    req.status, req.num_computed_tokens = RequestStatus.RUNNING, 70
+    req.append_output_token_ids(7)
+    # (this step frees the block that left the sliding window: not idle)
+    assert allocate_slots(manager, req, 1) is manager.empty_kv_cache_blocks
+    req.num_computed_tokens += 1
+    req.append_output_token_ids(8)
+    return manager, req
 
 
 def _state(manager) -> tuple:
@@ -283,20 +289,10 @@ def test_odd_values_get_vllms_step(target, attr, value):
     (a test's or a plugin's assignment): the step is vLLM's, which returns or raises
     what it does on vLLM's own managers (the control, with every value vLLM's own: the
     same step is native)."""
-    from vllm.v1.request import RequestStatus
-
     kvpool.install()
     outcomes = []
     for allocate_slots in (_vanilla_allocate_slots(), _core.kv_cache_manager_allocate_slots):
-        manager = _manager(200, 2, False, 3)
-        req = make_request("a", list(range(70)), max_tokens=100, block_size=BLOCK_SIZE)
-        assert allocate_slots(manager, req, 70) is not None
-        req.status, req.num_computed_tokens = RequestStatus.RUNNING, 70
-        req.append_output_token_ids(7)
-        # (this step frees the block that left the sliding window: not idle)
-        assert allocate_slots(manager, req, 1) is manager.empty_kv_cache_blocks
-        req.num_computed_tokens += 1
-        req.append_output_token_ids(8)
+        manager, req = _decoding(allocate_slots)
         if target is not None:
             owner = {"request": req, "swa": manager.coordinator.single_type_managers[1],
                      "coordinator": manager.coordinator}[target]
@@ -338,21 +334,14 @@ def test_what_vllm_reads_is_read_as_vllm_reads_it(monkeypatch, case):
     vLLM's and the native call return or raise the same and see the same calls."""
     from vllm.v1.core import kv_cache_manager
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
-    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.request import Request
 
     kvpool.install()
     outcomes = []
     kwargs = {"reserved_blocks": 10_000} if case == "missing attribute, refused" else \
         {"delay_cache_blocks": True} if case == "delayed caching" else {}
     for allocate_slots in (_vanilla_allocate_slots(), _core.kv_cache_manager_allocate_slots):
-        manager = _manager(200, 2, False, 3)
-        req = make_request("a", list(range(70)), max_tokens=100, block_size=BLOCK_SIZE)
-        assert allocate_slots(manager, req, 70) is not None
-        req.status, req.num_computed_tokens = RequestStatus.RUNNING, 70
-        for token in (7, 8):   # (the first step frees the block that left the window)
-            req.append_output_token_ids(token)
-            assert allocate_slots(manager, req, 1) is manager.empty_kv_cache_blocks
-            req.num_computed_tokens += 1
+        manager, req = _decoding(allocate_slots)
         calls: list = []
         with monkeypatch.context() as m:
             if case == "retention interval":

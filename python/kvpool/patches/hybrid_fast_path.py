@@ -92,29 +92,26 @@ KNOWN_HYBRID_SOURCES: dict[str, str] = {
 # The classes whose methods and properties every hybrid step checks (through the
 # version tags of all but SingleTypeKVCacheManager: a change to it, whose cache_blocks
 # FullAttentionManager.cache_blocks calls through super(), invalidates its subclasses'
-# tags). Request: its num_tokens property (LAYOUT), which vLLM reads more often.
+# tags). The request's class and its num_tokens property: the native manager path's
+# checks, which run before the hybrid step.
 _CHECKED = ("HybridKVCacheCoordinator", "FullAttentionManager", "SlidingWindowManager",
             "SingleTypeKVCacheManager", "FullAttentionSpec", "SlidingWindowSpec")
 
 
 def hybrid_classes() -> dict[str, Any]:
-    """The installed vLLM's classes and modules :data:`HYBRID_MIRRORED` names."""
-    from vllm.v1 import kv_cache_interface, request
-    from vllm.v1.core import kv_cache_coordinator, kv_cache_manager, single_type_kv_cache_manager
+    """The installed vLLM's classes and modules :data:`HYBRID_MIRRORED` names: the
+    native manager path's (``manager_fast_path._classes``) and the hybrid ones."""
+    from vllm.v1 import kv_cache_interface
+    from vllm.v1.core import kv_cache_coordinator, single_type_kv_cache_manager
+
+    from kvpool.patches.manager_fast_path import _classes
 
     return {
-        "KVCacheManager": kv_cache_manager.KVCacheManager,
-        "KVCacheCoordinator": kv_cache_coordinator.KVCacheCoordinator,
+        **_classes(),
         "HybridKVCacheCoordinator": kv_cache_coordinator.HybridKVCacheCoordinator,
-        "SingleTypeKVCacheManager": single_type_kv_cache_manager.SingleTypeKVCacheManager,
-        "FullAttentionManager": single_type_kv_cache_manager.FullAttentionManager,
         "SlidingWindowManager": single_type_kv_cache_manager.SlidingWindowManager,
         "FullAttentionSpec": kv_cache_interface.FullAttentionSpec,
         "SlidingWindowSpec": kv_cache_interface.SlidingWindowSpec,
-        "Request": request.Request,
-        "KVCacheBlocks": kv_cache_manager.KVCacheBlocks,
-        "kv_cache_coordinator": kv_cache_coordinator,
-        "single_type_kv_cache_manager": single_type_kv_cache_manager,
     }
 
 
@@ -130,22 +127,11 @@ def _resolved(classes: dict[str, Any], cls_name: str, name: str):
 
 
 def hybrid_source(classes: dict[str, Any] | None = None) -> str:
-    """The sources of :data:`HYBRID_MIRRORED`, then :data:`HYBRID_LAYOUT`, as the
-    installed vLLM defines them (``# Class.method`` before each, ``# Class`` before a
-    whole class; ``: absent`` where the release has none). Raises ``OSError`` /
-    ``TypeError`` when a source cannot be read."""
-    from kvpool.patches.manager_fast_path import _source
+    """``manager_fast_path.definitions_source`` of :data:`HYBRID_MIRRORED`, then
+    :data:`HYBRID_LAYOUT`, as the installed vLLM defines them."""
+    from kvpool.patches.manager_fast_path import definitions_source
 
-    classes = classes or hybrid_classes()
-    parts = []
-    for cls_name, name in HYBRID_MIRRORED + HYBRID_LAYOUT:
-        if name is None:
-            parts.append(f"# {cls_name}\n{_source(classes[cls_name])}")
-            continue
-        func = _resolved(classes, cls_name, name)
-        parts.append(f"# {cls_name}.{name}: absent\n" if func is None
-                     else f"# {cls_name}.{name}\n{_source(func)}")
-    return "".join(parts)
+    return definitions_source(HYBRID_MIRRORED + HYBRID_LAYOUT, classes or hybrid_classes())
 
 
 def hybrid_fingerprint(classes: dict[str, Any] | None = None) -> str | None:
@@ -208,14 +194,12 @@ def bind(release: str) -> bool:
     # wrappers, which an idle step has nothing to do for; the native step tells the
     # policy the request's length as the hook on allocate_slots does)
     class_checks = [(classes[c], n, _bound_function(classes[c], n)) for c, n in HYBRID_MIRRORED if c in _CHECKED]
-    class_checks.append((classes["Request"], "num_tokens", _bound_function(classes["Request"], "num_tokens")))
     _core.configure_hybrid_running_step(
         coordinator_cls=classes["HybridKVCacheCoordinator"],
         full_attention_cls=classes["FullAttentionManager"],
         sliding_window_cls=classes["SlidingWindowManager"],
         full_spec_cls=classes["FullAttentionSpec"],
         sliding_spec_cls=classes["SlidingWindowSpec"],
-        request_cls=classes["Request"],
         class_checks=class_checks,
         coordinator_names=HYBRID_COORDINATOR_NAMES,
         single_type_names=HYBRID_SINGLE_TYPE_NAMES,

@@ -177,12 +177,7 @@ _BOUND = (("KVCacheManager", "allocate_slots"), ("KVCacheManager", "get_computed
 
 def _classes() -> dict[str, Any]:
     from vllm.v1 import request
-    from vllm.v1.core import (
-        block_pool,
-        kv_cache_coordinator,
-        kv_cache_manager,
-        single_type_kv_cache_manager,
-    )
+    from vllm.v1.core import block_pool, kv_cache_coordinator, kv_cache_manager, single_type_kv_cache_manager
 
     from kvpool.block_hash_map import VllmBlockHashToBlockMap
     from kvpool.block_pool import VllmBlockPool
@@ -239,14 +234,17 @@ def _source(func) -> str:
 
 
 def mirrored_source(classes: dict[str, type] | None = None) -> str:
-    """The sources of :data:`MIRRORED`, then of :data:`LAYOUT`, as the installed vLLM
-    defines them, dedented, one after the other under a ``# Class.method`` line
-    (``# Class.method: absent`` when the release has no such method; ``# Class`` before
-    a whole class). Raises ``OSError``/``TypeError`` when a source cannot be read (a
-    vLLM installed without its ``.py`` files)."""
-    classes = classes or _classes()
+    """:func:`definitions_source` of :data:`MIRRORED`, then :data:`LAYOUT`."""
+    return definitions_source(MIRRORED + LAYOUT, classes or _classes())
+
+
+def definitions_source(entries: tuple, classes: dict[str, Any]) -> str:
+    """The sources of ``entries`` (``(class name, method or None)`` in ``classes``) as the
+    installed vLLM defines them, dedented, each under a ``# Class.method`` line (``:
+    absent`` when the release has none; ``# Class`` before a whole class; a property's
+    getter). Raises ``OSError``/``TypeError`` when a source cannot be read."""
     parts = []
-    for cls_name, name in MIRRORED + LAYOUT:
+    for cls_name, name in entries:
         if name is None:
             parts.append(f"# {cls_name}\n{_source(classes[cls_name])}")
             continue
