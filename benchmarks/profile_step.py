@@ -1,10 +1,10 @@
 """Where a scheduler step's CPU goes: py-spy over the replay, one mode per process.
 
     python benchmarks/profile_step.py [--workload serving] [--rounds 4] [--rate 400]
-        [--modes vanilla,kvpool,kvpool+contiguous] [--top 12] [--keep DIR]
+        [--modes vanilla,kvpool,kvpool+contiguous] [--model NAME [--num-blocks N]] [--top 12] [--keep DIR]
 
 For each mode, runs ``python -m kvpool replay --workload W --modes MODE --rounds R
---no-plot --quiet`` under ``py-spy record --format raw`` (py-spy from the package
+--no-plot --quiet [--model NAME [--num-blocks N]]`` under ``py-spy record --format raw`` (py-spy from the package
 index: ``pip install py-spy``), keeps only the samples inside vLLM's
 ``Scheduler.schedule()`` / ``Scheduler.update_from_output()`` (the engine step), and
 prints per mode the share of those samples
@@ -82,8 +82,10 @@ def step_shares(raw_lines, top: int = 12) -> dict:
     }
 
 
-def profile(mode: str, workload: str, rounds: int, rate: int, out: Path) -> Path:
-    """Record one replay of ``mode`` with py-spy; returns the raw file."""
+def profile(mode: str, workload: str, rounds: int, rate: int, out: Path,
+            model: str | None = None, num_blocks: int | None = None) -> Path:
+    """Record one replay of ``mode`` (of ``model``'s KV cache shape) with py-spy; returns the
+    raw file."""
     from kvpool.cpu_platform import cpu_environment  # vLLM's CPU platform via kvpool's plugin
 
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
@@ -91,6 +93,8 @@ def profile(mode: str, workload: str, rounds: int, rate: int, out: Path) -> Path
     cmd = [py_spy, "record", "--rate", str(rate), "--format", "raw", "--output", str(raw), "--",
            sys.executable, "-m", "kvpool", "replay", "--workload", workload, "--modes", mode,
            "--rounds", str(rounds), "--no-plot", "--quiet"]
+    if model:
+        cmd += ["--model", model] + (["--num-blocks", str(num_blocks)] if num_blocks else [])
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
                    env=cpu_environment(dict(os.environ)))
     return raw
@@ -102,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--rate", type=int, default=400, help="samples per second")
     parser.add_argument("--modes", default="vanilla,kvpool,kvpool+contiguous")
+    parser.add_argument("--model", help="the replay's --model (its KV cache shape)")
+    parser.add_argument("--num-blocks", type=int, help="with --model: the replay's --num-blocks")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--keep", help="keep the raw profiles in this folder")
     args = parser.parse_args(argv)
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for mode in args.modes.split(","):
-        raw = profile(mode, args.workload, args.rounds, args.rate, out)
+        raw = profile(mode, args.workload, args.rounds, args.rate, out, args.model, args.num_blocks)
         results[mode] = step_shares(raw.read_text().splitlines(), args.top)
     for mode, r in results.items():
         print(f"== {mode}: {r['step_samples']} step samples; under KVCacheManager "

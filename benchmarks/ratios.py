@@ -60,6 +60,12 @@ TARGETS = {
     # until its non-idle steps get cheaper (the 0.7x target stays open for it).
     "replay_serving_gpt_oss": 1 / 0.7,
     "replay_serving_gpt_oss_contiguous": 1 / 0.75,
+    # serving on Qwen3-Next's KV cache groups (three Mamba groups in "align" mode + full
+    # attention), whose steps all run vLLM's Python managers: kvpool must cost no more
+    # than the measurement's noise beside them (issue 36's 0.7x needs a native Mamba
+    # step; docs/performance.md, "Hybrid models"). On 2026-12-05: MEASURED.
+    "replay_serving_qwen3_next": 0.93,
+    "replay_serving_qwen3_next_contiguous": 0.93,
 }
 
 

@@ -56,6 +56,12 @@ WORKLOADS = {
     # admits or prefills, and a hybrid model's prefill and caching are vLLM's Python)
     "serving_gpt_oss": (ROUNDS, lambda: _on_model(workloads.serving(rounds=ROUNDS, window_steps=400),
                                                   "openai/gpt-oss-20b")),
+    # ... and on Qwen3-Next's (three Mamba groups in mamba_cache_mode="align" + full
+    # attention, 1,088-token blocks): 321 blocks, what 8 GiB of KV memory gives, so the
+    # pool wraps. Its running step has no native path: the gate is the pool's and the
+    # hooks' cost beside vLLM's Python managers (docs/performance.md, "Hybrid models").
+    "serving_qwen3_next": (ROUNDS, lambda: _on_model(workloads.serving(rounds=ROUNDS, window_steps=400),
+                                                     "Qwen/Qwen3-Next-80B-A3B-Instruct")),
 }
 #: benchmark impl -> the replay's mode.
 MODES = {"vllm": "vanilla", "kvpool": "kvpool", "kvpool_contiguous": "kvpool+contiguous"}
@@ -66,16 +72,16 @@ def _on_model(wl, model: str):
     return replace(wl, engine=replace(wl.engine, model=model))
 
 
-#: The WORKLOADS run on a model's own KV cache groups (``--model``).
-MODEL_SHAPES = ("serving_gpt_oss",)
+#: The WORKLOADS run on a model's own KV cache groups (``--model``) -> their blocks.
+MODEL_SHAPES = {"serving_gpt_oss": POOL.num_blocks, "serving_qwen3_next": 321}
 
 
 def _pool(name: str, wl) -> PoolSpec:
     """POOL, or for a workload of MODEL_SHAPES the KV cache vLLM resolves for its model
-    with POOL.num_blocks blocks (the replay's ``--model M --num-blocks N``)."""
+    with that many blocks (the replay's ``--model M --num-blocks N``)."""
     if name not in MODEL_SHAPES:
         return POOL
-    return resolve_pool(wl, kv_memory_bytes=None, num_blocks=POOL.num_blocks, user_block_size=None)[0]
+    return resolve_pool(wl, kv_memory_bytes=None, num_blocks=MODEL_SHAPES[name], user_block_size=None)[0]
 
 
 _RUNS: dict[tuple[str, str], ModeRun] = {}

@@ -21,6 +21,7 @@ queue runs vLLM's own methods unchanged; kvpool's additions on it
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -41,6 +42,7 @@ from kvpool._core import (
     pool_touch,
     pool_unpin_blocks,
 )
+from kvpool.allocation.base import table_of_caller
 from kvpool.block_hash_map import BLOCK_IDS_MAP, TRAITS as _TRAITS, BlockHashToBlockMap, new_map
 from kvpool.errors import NotAKvpoolPoolError
 from kvpool.vllm_calls import POOL_SELF_CALLS
@@ -142,7 +144,8 @@ class BlockPool(VllmBlockPool):
         self.allocation = self._policy.name
         self._policy.attach(self)
         # The block table the current allocation extends: (manager, request_id), set
-        # by the manager hooks of a policy that installs them, else always None.
+        # by kvpool's native manager path under a policy with manager hooks, else None
+        # (vLLM's managers' tables are found by kvpool.allocation.base.table_of_caller).
         self._table_context = None
         self.cached_block_hash_to_block = new_map(self.blocks)
         self.cached_block_hashes_by_block = {}
@@ -171,7 +174,14 @@ class BlockPool(VllmBlockPool):
         """
         if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
             return VllmBlockPool.get_new_blocks(self, num_blocks)
-        context = self._table_context
+        context = self._table_context   # (set by kvpool's native manager path)
+        if context is None and self._policy.manager_hooks:
+            found = table_of_caller(sys._getframe(1))
+            if found is not None:
+                manager, request_id, expected = found
+                if expected is not None:
+                    self._policy.expect_tokens(request_id, expected)
+                context = (manager, request_id)
         if context is not None:
             return self._policy.extend_table(self, num_blocks, *context)
         if _GET_NEW_BLOCKS_CALLS.needs_vllm_loop(self):   # (= self._needs_vllm_loop())

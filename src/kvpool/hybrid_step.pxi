@@ -131,11 +131,7 @@ cdef object _hybrid_running_step(_AllocateSlotsFastPath fp, manager, request, _S
         hp.vllm_steps += 1
         return _VLLM
     hp.native_steps += 1
-    if fp.manager_hooks:
-        # kvpool.patches.manager_hooks._recording_expected_tokens
-        policy = getattr(manager.block_pool, "_policy", None)
-        if policy is not None:
-            policy.expect_tokens(request.request_id, request.num_prompt_tokens + request.max_tokens)
+    # (an idle step allocates nothing: the contiguous policy needs no expected length)
     if s.watermark > free_blocks - s.reserved:
         return None
     return manager.empty_kv_cache_blocks
@@ -152,13 +148,14 @@ cdef bint _hybrid_step_idle(_HybridStep hp, _AllocateSlotsFastPath fp, manager, 
     if type(request) is not fp.request_cls or not hp.classes_unchanged():
         return False
     coordinator = manager.coordinator
-    if (not _not_overridden(coordinator, hp.coordinator_names)
+    managers = coordinator.single_type_managers
+    if (not _hybrid_managers_served(hp, managers)   # first: a Mamba model's calls leave here
+            or not _not_overridden(coordinator, hp.coordinator_names)
             or not _hybrid_coordinator_plain(coordinator, delay_cache_blocks)):
         return False
-    managers = coordinator.single_type_managers
     request_id = request.request_id
     empty_blocks = getattr(manager.empty_kv_cache_blocks, "blocks", None)
-    if (type(managers) is not tuple or type(request_id) is not str
+    if (type(request_id) is not str
             or type(empty_blocks) is not tuple
             or len(<tuple>empty_blocks) != len(<tuple>managers)
             or not _hybrid_request_numbers(fp, manager, request, s, has_scheduled_reqs,
@@ -182,6 +179,21 @@ cdef bint _hybrid_step_idle(_HybridStep hp, _AllocateSlotsFastPath fp, manager, 
                                   (<tuple>empty_blocks)[i]):
             return False
     return _native_free_count(fp, manager.block_pool, free_blocks)
+
+
+cdef inline bint _hybrid_managers_served(_HybridStep hp, managers):
+    """The coordinator's ``single_type_managers`` is a tuple of managers of the two exact
+    classes the step mirrors (``FullAttentionManager``, ``SlidingWindowManager``). A model
+    with another group type (Mamba, chunked local attention) fails here, at the cost of a
+    few type tests, before anything else of its call is read."""
+    cdef Py_ssize_t i
+    if type(managers) is not tuple:
+        return False
+    for i in range(len(<tuple>managers)):
+        t = type((<tuple>managers)[i])
+        if t is not hp.full_attention_cls and t is not hp.sliding_window_cls:
+            return False
+    return True
 
 
 cdef bint _hybrid_coordinator_plain(coordinator, bint delay_cache_blocks) except -1:

@@ -653,8 +653,9 @@ cdef object _allocate_slots_native(self, request, num_new_tokens, num_new_comput
             and not _nonneg(pool.get_num_free_blocks(), &free_blocks):
         return _VLLM
     fp.fast_calls += 1
-    if fp.manager_hooks:
-        # kvpool.patches.manager_hooks._recording_expected_tokens
+    if fp.manager_hooks and to_alloc > 0:
+        # what kvpool.allocation.base.table_of_caller finds for vLLM's managers:
+        # the request's expected length, for the allocation's table (_extend_table)
         policy = getattr(self.block_pool, "_policy", None)
         if policy is not None:
             policy.expect_tokens(request_id, request.num_prompt_tokens + request.max_tokens)
@@ -683,7 +684,8 @@ cdef object _extend_table(_AllocateSlotsFastPath fp, mgr, str request_id, long l
         return None
     pool = mgr.block_pool
     if fp.manager_hooks and getattr(pool, "_kvpool_init", False):
-        # kvpool.patches.manager_hooks._extending_table: the pool knows the table.
+        # The pool's table context (a C frame has no locals for
+        # kvpool.allocation.base.table_of_caller to find).
         outer = pool._table_context
         pool._table_context = (mgr, request_id)
         try:

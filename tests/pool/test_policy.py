@@ -237,10 +237,11 @@ def test_default_policy_runs_no_kvpool_frame_between_vllm_s_manager_and_the_nati
 
 
 def test_contiguous_policy_runs_its_manager_hook_and_policy(monkeypatch):
-    # The policy that needs to know the table does pay: its hook and its extend_table.
+    # The policy that needs to know the table does pay, when it allocates: the
+    # look-up of the table in the calling frames (manager_hooks.table_of_caller, no
+    # wrapper around vLLM's allocate_new_blocks) and its extend_table.
     chain = _frames_between_manager_and_native_call("contiguous", monkeypatch)
     assert chain == [
-        "kvpool.patches.manager_hooks:wrapper",  # around allocate_new_blocks
         "kvpool.block_pool:get_new_blocks",
         "kvpool.allocation.contiguous:extend_table",
         "kvpool.block_pool:_take",
@@ -266,9 +267,11 @@ def test_default_policy_installs_no_manager_hook():
         kvpool.uninstall()
     kvpool.install(allocation="contiguous")
     try:
-        # The native path over the policy's hook over vLLM's method.
-        assert KVCacheManager.allocate_slots.__kvpool_wrapped__.__kvpool_wrapped__ is vanilla[0]
-        assert SingleTypeKVCacheManager.allocate_new_blocks.__kvpool_wrapped__ is vanilla[1]
+        # The native path over vLLM's method; the allocating methods unwrapped (the
+        # table is found when the pool allocates); the end of a table is wrapped.
+        assert KVCacheManager.allocate_slots.__kvpool_wrapped__ is vanilla[0]
+        assert SingleTypeKVCacheManager.allocate_new_blocks is vanilla[1]
+        assert FullAttentionManager.pop_blocks_for_free.__kvpool_wrapped__ is vanilla[2]
     finally:
         kvpool.uninstall()
     assert KVCacheManager.allocate_slots is vanilla[0]

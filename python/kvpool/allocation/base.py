@@ -20,6 +20,54 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+_ALLOCATING = ("allocate_new_blocks", "allocate_external_computed_blocks")
+#: How many frames above ``get_new_blocks`` the table's method may be: vLLM 0.30.0-0.34.0
+#: call the pool from it or from a helper it calls (1-2 frames), and ``allocate_slots``
+#: is 3-5 frames up.
+MAX_DEPTH = 8
+
+
+def table_of_caller(frame: Any) -> tuple[Any, str, int | None] | None:
+    """The block table a pool allocation extends, from the frames calling it.
+
+    Args:
+        frame: the frame that called ``BlockPool.get_new_blocks`` (``sys._getframe(1)``).
+
+    Returns:
+        ``(manager, request_id, expected_tokens)`` for the innermost frame within
+        :data:`MAX_DEPTH` that runs a single-type manager's ``allocate_new_blocks`` /
+        ``allocate_external_computed_blocks`` (its ``self`` a vLLM
+        ``SingleTypeKVCacheManager``, its ``request_id`` a ``str``), and the request's
+        ``num_prompt_tokens + max_tokens`` (tokens) when a ``KVCacheManager.allocate_slots``
+        frame above it holds a ``request`` with both as ints (else None); None when no such
+        frame is found (the allocation then extends no known table, a preference only).
+        Reads the frames' locals (``frame.f_locals``); changes nothing.
+    """
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    table = None
+    for _ in range(MAX_DEPTH):
+        if frame is None:
+            break
+        name = frame.f_code.co_name
+        if table is None and name in _ALLOCATING:
+            local = frame.f_locals
+            manager, request_id = local.get("self"), local.get("request_id")
+            if isinstance(manager, SingleTypeKVCacheManager) and type(request_id) is str:
+                table = (manager, request_id)
+        elif table is not None and name == "allocate_slots":
+            local = frame.f_locals
+            if isinstance(local.get("self"), KVCacheManager):
+                request = local.get("request")
+                prompt = getattr(request, "num_prompt_tokens", None)
+                max_tokens = getattr(request, "max_tokens", None)
+                if type(prompt) is int and type(max_tokens) is int:
+                    return (*table, prompt + max_tokens)
+                break
+        frame = frame.f_back
+    return None if table is None else (*table, None)
+
 
 class AllocationPolicy:
     """vLLM's allocation order (``FreeKVCacheBlockQueue``, vLLM 0.30.0-0.34.0).
@@ -30,9 +78,10 @@ class AllocationPolicy:
 
     #: The name ``install(allocation=...)`` takes (``kvpool.allocation.POLICIES``).
     name: ClassVar[str] = "vllm"
-    #: True: the policy needs the single-type managers' hooks
-    #: (:mod:`kvpool.patches.manager_hooks`) to know which block table an
-    #: allocation extends; ``install()`` installs them only then.
+    #: True: the policy needs to know which block table an allocation extends (the
+    #: pool then looks it up: :func:`table_of_caller`) and when a table ends (the
+    #: managers' hooks, :mod:`kvpool.patches.manager_hooks`, which ``install()``
+    #: installs only then).
     manager_hooks: ClassVar[bool] = False
     #: True: the free queue keeps vLLM's order at every step, so a walk from a saved
     #: cursor block (``iter_blocks_after``, the lazy CPU offloader's scan) sees what
@@ -67,7 +116,8 @@ class AllocationPolicy:
 
     def extend_table(self, pool: Any, num_blocks: int, manager: Any, request_id: str) -> list:
         """``get_new_blocks(num_blocks)`` for block table ``(manager, request_id)``
-        (only while a manager hook has set ``pool._table_context``).
+        (for a policy with ``manager_hooks``: the table :func:`table_of_caller` found,
+        or the one kvpool's native manager path set as ``pool._table_context``).
 
         Returns:
             ``num_blocks`` blocks with ``ref_cnt = 1`` (what ``pool._take`` returns).
@@ -90,7 +140,9 @@ class AllocationPolicy:
 
     def expect_tokens(self, request_id: str, num_tokens: int) -> None:
         """The request will hold at most ``num_tokens`` tokens (prompt +
-        ``max_tokens``), recorded by ``KVCacheManager.allocate_slots``."""
+        ``max_tokens``), told before an allocation for its table (from the
+        ``KVCacheManager.allocate_slots`` frame :func:`table_of_caller` found, or by
+        kvpool's native manager path)."""
 
     def order_for_reset(self, pool: Any, reorder: bool) -> None:
         """``reset_prefix_cache`` is about to drop every hash (its precondition holds:
@@ -108,4 +160,4 @@ class AllocationPolicy:
         pool.free_block_queue.rebuild_canonical()
 
 
-__all__ = ["AllocationPolicy"]
+__all__ = ["MAX_DEPTH", "AllocationPolicy", "table_of_caller"]

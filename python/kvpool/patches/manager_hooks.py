@@ -1,19 +1,26 @@
-"""The KV cache managers' hooks of the policies that need them (a patch module).
+"""How a policy with manager hooks (today: ``"contiguous"``) learns the block table an
+allocation extends (a patch module, and the pool's look-up).
 
 Installed by ``kvpool.install()`` (``PATCH_MODULES`` in :mod:`kvpool.patching`) only
-when the policy being installed sets ``manager_hooks`` (today: ``"contiguous"``).
-The default policy runs vLLM's managers unwrapped: no kvpool frame between a
-manager's ``allocate_new_blocks`` and the pool's ``get_new_blocks``.
+when the policy being installed sets ``manager_hooks``. The default policy runs vLLM's
+managers unwrapped: no kvpool frame between a manager's ``allocate_new_blocks`` and the
+pool's ``get_new_blocks``.
 
-* every single-type manager class that defines ``allocate_new_blocks`` /
+* ``pop_blocks_for_free`` of every single-type manager class that defines it is wrapped:
+  the request's table is gone (:meth:`AllocationPolicy.end_table`);
+* the table an allocation extends is found when it allocates, not on every call:
+  ``BlockPool.get_new_blocks`` asks :func:`kvpool.allocation.base.table_of_caller`, which finds in the frames
+  calling it the single-type manager's ``allocate_new_blocks`` /
   ``allocate_external_computed_blocks`` (vLLM 0.30.0-0.34.0: full attention, sliding
-  window, chunked local, mamba, cross attention, ...) gets it wrapped, so the pool knows
-  the block table ``(manager, request_id)`` the allocation extends
-  (``pool._table_context`` -> :meth:`AllocationPolicy.extend_table`); subclasses
-  defined later inherit the wrapper;
-* ``pop_blocks_for_free``: the request's table is gone (:meth:`AllocationPolicy.end_table`);
-* ``KVCacheManager.allocate_slots``: the request's expected length, prompt +
-  ``max_tokens`` tokens (:meth:`AllocationPolicy.expect_tokens`).
+  window, chunked local, mamba, cross attention, ..., and subclasses defined later) and
+  ``KVCacheManager.allocate_slots`` above it (the request's expected length, prompt +
+  ``max_tokens`` tokens: :meth:`AllocationPolicy.expect_tokens`). A hybrid model calls
+  every group's ``allocate_new_blocks`` on every ``allocate_slots``, mostly to allocate
+  nothing: wrappers around those calls cost a Qwen3-Next-shaped scheduler step 5-7 %
+  (py-spy, vLLM 0.34.0), the look-up costs only the calls that allocate.
+
+kvpool's native manager path sets ``pool._table_context`` itself (a C frame has no
+locals to find), which the pool reads first.
 """
 
 from __future__ import annotations
@@ -21,28 +28,6 @@ from __future__ import annotations
 import functools
 
 from kvpool import allocation
-
-_ALLOCATING = ("allocate_new_blocks", "allocate_external_computed_blocks")
-
-
-def _extending_table(method):
-    """Wrap a single-type manager's allocation method: while it runs, the manager's
-    pool knows the table (manager, request_id) it allocates for."""
-
-    @functools.wraps(method)
-    def wrapper(self, request_id, *args, **kwargs):
-        pool = self.block_pool
-        if not getattr(pool, "_kvpool_init", False):  # not a pool kvpool built
-            return method(self, request_id, *args, **kwargs)
-        outer = pool._table_context
-        pool._table_context = (self, request_id)
-        try:
-            return method(self, request_id, *args, **kwargs)
-        finally:
-            pool._table_context = outer
-
-    wrapper.__kvpool_wrapped__ = method
-    return wrapper
 
 
 def _ending_table(method):
@@ -56,21 +41,6 @@ def _ending_table(method):
         if getattr(pool, "_kvpool_init", False):  # _end_table checks the queue
             pool._end_table(self, request_id)
         return blocks
-
-    wrapper.__kvpool_wrapped__ = method
-    return wrapper
-
-
-def _recording_expected_tokens(method):
-    """Wrap ``KVCacheManager.allocate_slots``: tell the pool's policy the request's
-    expected length (prompt + ``max_tokens``, tokens)."""
-
-    @functools.wraps(method)
-    def wrapper(self, request, *args, **kwargs):
-        policy = getattr(self.block_pool, "_policy", None)
-        if policy is not None:
-            policy.expect_tokens(request.request_id, request.num_prompt_tokens + request.max_tokens)
-        return method(self, request, *args, **kwargs)
 
     wrapper.__kvpool_wrapped__ = method
     return wrapper
@@ -92,16 +62,10 @@ def apply(patcher) -> None:
     ``uninstall()``). Does nothing for the default policy."""
     if not allocation.needs_manager_hooks(patcher.policy):
         return
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
     for cls in _manager_classes(SingleTypeKVCacheManager):
-        for name in _ALLOCATING:
-            if name in cls.__dict__:
-                patcher.set_attr(cls, name, _extending_table(cls.__dict__[name]))
         if "pop_blocks_for_free" in cls.__dict__:
             patcher.set_attr(cls, "pop_blocks_for_free", _ending_table(cls.__dict__["pop_blocks_for_free"]))
-    patcher.set_attr(KVCacheManager, "allocate_slots", _recording_expected_tokens(KVCacheManager.allocate_slots))
-
 
 __all__ = ["apply"]
