@@ -419,3 +419,69 @@ def test_vllm_s_own_loop_that_raises_gives_its_popped_blocks_back(policy):
     assert all(pool.blocks[i].ref_cnt == 0 for i in range(1, 32))
     queue.check_invariants()
     assert queue.policy.undo_pop(queue.policy.pop_seq) == 0  # the record is used once
+
+
+@pytest.mark.parametrize("num_groups", [1, 2])
+def test_the_contiguous_policy_finds_each_allocation_s_table_in_vllm_s_frames(monkeypatch, num_groups):
+    # table_of_caller, through vLLM's Scheduler (prefill and decode, 1-2 groups): every
+    # allocation of a group's table reaches extend_table with that group's manager and
+    # the request, after the request's prompt + max_tokens was told; an allocation
+    # outside a manager's method (a direct call) extends no table.
+    from kvpool.allocation.contiguous import ContiguousPolicy
+
+    seen, vanilla_extend = [], ContiguousPolicy.extend_table
+
+    def extend_table(self, pool, num_blocks, manager, request_id):
+        seen.append((manager, request_id, self.expected_tokens.get(request_id)))
+        return vanilla_extend(self, pool, num_blocks, manager, request_id)
+
+    monkeypatch.setattr(ContiguousPolicy, "extend_table", extend_table)
+    kvpool.install(allocation="contiguous")
+    try:
+        scheduler = make_scheduler(num_blocks=200, num_groups=num_groups, window_blocks=64)
+        managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+        for r in range(3):
+            scheduler.add_request(make_request(f"r{r}", list(range(100 * r, 100 * r + 40 + 9 * r)), max_tokens=30))
+        for _ in range(40):
+            so = scheduler.schedule()
+            scheduler.update_from_output(so, runner_output(so))
+        pool = scheduler.kv_cache_manager.block_pool
+        found = len(seen)
+        assert pool.get_new_blocks(2) and len(seen) == found  # no manager frame: no table
+    finally:
+        kvpool.uninstall()
+    assert {(id(m), r) for m, r, _ in seen} == {(id(m), f"r{r}") for m in managers for r in range(3)}
+    assert {r: n for _, r, n in seen} == {f"r{r}": 40 + 9 * r + 30 for r in range(3)}
+
+
+def test_table_of_caller_reads_only_a_manager_s_allocating_frame():
+    # A later subclass's own allocate_new_blocks is found (by name, on any subclass);
+    # a function of that name that is not a manager's, or a request id that is not a
+    # str, is not a table; frames deeper than MAX_DEPTH are not searched.
+    import sys
+
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    from kvpool.allocation.base import MAX_DEPTH, table_of_caller
+
+    class Later(FullAttentionManager):
+        def allocate_new_blocks(self, request_id, *args):
+            return table_of_caller(sys._getframe(0))
+
+    def allocate_new_blocks(self, request_id):
+        return table_of_caller(sys._getframe(0))
+
+    def nested(depth):
+        return nested(depth - 1) if depth else table_of_caller(sys._getframe(0))
+
+    later = Later.__new__(Later)
+    assert Later.allocate_new_blocks(later, "r") == (later, "r", None)
+    assert Later.allocate_new_blocks(later, 7) is None
+    assert allocate_new_blocks(object(), "r") is None
+
+    def outer(self, request_id, depth):
+        return nested(depth)
+
+    outer.__code__ = outer.__code__.replace(co_name="allocate_new_blocks")
+    assert outer(later, "r", MAX_DEPTH - 2) == (later, "r", None)
+    assert outer(later, "r", MAX_DEPTH) is None

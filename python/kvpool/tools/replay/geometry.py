@@ -261,8 +261,17 @@ def resolve(vllm_config, *, kv_memory_bytes: int | None = None, num_blocks: int 
     Raises:
         ValueError: neither or both sizes; the memory does not hold one request of
             ``max_model_len`` tokens (vLLM's own check); a layer type the replay does
-            not know; a vLLM release without 0.34.0's planning functions.
+            not know; a vLLM release older than 0.34.0, or without its planning functions.
     """
+    import vllm
+
+    from kvpool.vllm_compat import release_key
+
+    if release_key(vllm.__version__) < (0, 34, 0):
+        # (0.33.0 has planning functions of these names, with other layer internals:
+        # what this module calls is 0.34.0's)
+        raise ValueError(f"--model resolves the KV cache as vLLM 0.34.0's engine does; vLLM "
+                         f"{vllm.__version__} is older (without --model the replay runs on it)")
     try:
         from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
         from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
@@ -273,8 +282,6 @@ def resolve(vllm_config, *, kv_memory_bytes: int | None = None, num_blocks: int 
         )
         from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     except ImportError as e:  # (the planning API of vLLM 0.34.0)
-        import vllm
-
         raise ValueError(f"--model resolves the KV cache with vLLM 0.34.0's planning functions; vLLM "
                          f"{vllm.__version__} lacks them ({e})") from e
 
