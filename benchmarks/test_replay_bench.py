@@ -31,8 +31,8 @@ import pytest
 
 from kvpool.tools.replay import modes as replay_modes, workloads
 from kvpool.tools.replay.engine import PoolSpec, resolve_pool
+from kvpool.tools.replay.geometry import model_shapes_unavailable_reason
 from kvpool.tools.replay.runner import ModeRun
-from kvpool.vllm_compat import installed_vllm_version, release_key
 
 #: Rounds (windows) per mode; the ratio is the median of the rounds' ratios.
 ROUNDS = int(os.environ.get("KVPOOL_REPLAY_BENCH_ROUNDS", "5"))
@@ -73,7 +73,6 @@ def _on_model(wl, model: str):
     return replace(wl, engine=replace(wl.engine, model=model))
 
 
-_OLDER_THAN_034 = release_key(installed_vllm_version() or "0") < (0, 34, 0)
 #: The WORKLOADS run on a model's own KV cache groups (``--model``) -> their blocks.
 MODEL_SHAPES = {"serving_gpt_oss": POOL.num_blocks, "serving_qwen3_next": 321}
 
@@ -151,6 +150,6 @@ INTERLEAVED = [(name, r, impl) for name, (rounds, _) in WORKLOADS.items() for r 
 @pytest.mark.benchmark(timer=_replay_clock)  # the replay's scheduler CPU per round
 @pytest.mark.parametrize("name,round_,impl", INTERLEAVED)
 def test_replay_round(benchmark, name, round_, impl):
-    if name in MODEL_SHAPES and _OLDER_THAN_034:
-        pytest.skip("--model resolves the KV cache with vLLM 0.34.0's code (docs/replay.md, 'Model shapes')")
+    if name in MODEL_SHAPES and model_shapes_unavailable_reason():
+        pytest.skip(model_shapes_unavailable_reason())
     _bench_round(benchmark, name, round_, impl)

@@ -20,13 +20,12 @@ import pytest
 
 import kvpool
 from kvpool.cpu_platform import cpu_environment
+from kvpool.tools.replay.geometry import model_shapes_unavailable_reason
 from kvpool.tools.replay.modes import mode_unavailable_reason
-from kvpool.vllm_compat import installed_vllm_version, release_key
 from tests.support.paths import REPO
 
-#: --model resolves the KV cache with vLLM 0.34.0's code; older releases refuse it.
-OLDER = release_key(installed_vllm_version() or "0") < (0, 34, 0)
-NEEDS_034 = "--model needs vLLM 0.34.0 (an older one's refusal: test_an_older_release_refuses_model)"
+#: Why --model cannot run here (a vLLM older than 0.34.0: test_an_older_release_refuses_model), else None.
+UNAVAILABLE = model_shapes_unavailable_reason()
 
 DENSE, SLIDING, MAMBA = "Qwen/Qwen3-0.6B", "openai/gpt-oss-20b", "Qwen/Qwen3-Next-80B-A3B-Instruct"
 #: Short GRPO rounds: 2 rounds x 2 prompts x 4 samples, prompts of 1,000-2,500 tokens.
@@ -40,8 +39,8 @@ def _env() -> dict[str, str]:
 
 
 def _replay(tmp_path: Path, *args: str, modes: tuple[str, ...]) -> dict:
-    if OLDER:
-        pytest.skip(NEEDS_034)
+    if UNAVAILABLE:
+        pytest.skip(UNAVAILABLE)
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "kvpool", "replay", "--no-progress", "--no-plot", "--modes", ",".join(modes),
            "--json", str(out), *args]
@@ -109,8 +108,8 @@ RESOLVE = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def resolved() -> dict:
-    if OLDER:
-        pytest.skip(NEEDS_034)
+    if UNAVAILABLE:
+        pytest.skip(UNAVAILABLE)
     proc = subprocess.run([sys.executable, "-c", RESOLVE, DENSE, SLIDING, MAMBA], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -234,7 +233,7 @@ def test_kv_memory_needs_a_model(tmp_path):
     assert proc.returncode == 2 and "ships no config" in proc.stderr
 
 
-@pytest.mark.skipif(not OLDER, reason="an older vLLM than 0.34.0 refuses --model")
+@pytest.mark.skipif(UNAVAILABLE is None, reason="an older vLLM than 0.34.0 refuses --model")
 def test_an_older_release_refuses_model(tmp_path):
     cmd = [sys.executable, "-m", "kvpool", "replay", "--model", SLIDING, "--kv-memory-gib", "1", "--no-plot",
            "--json", str(tmp_path / "x.json")]

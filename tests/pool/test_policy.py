@@ -238,7 +238,7 @@ def test_default_policy_runs_no_kvpool_frame_between_vllm_s_manager_and_the_nati
 
 def test_contiguous_policy_runs_its_manager_hook_and_policy(monkeypatch):
     # The policy that needs to know the table does pay, when it allocates: the
-    # look-up of the table in the calling frames (manager_hooks.table_of_caller, no
+    # look-up of the table in the calling frames (allocation.base.table_of_caller, no
     # wrapper around vLLM's allocate_new_blocks) and its extend_table.
     chain = _frames_between_manager_and_native_call("contiguous", monkeypatch)
     assert chain == [

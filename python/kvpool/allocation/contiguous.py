@@ -14,8 +14,8 @@ LRU segment's leading blocks without a hash or a reuse watcher.
 
 Per-request extents: every allocation made for a request's block table (the
 single-type managers' ``allocate_new_blocks`` / ``allocate_external_computed_blocks``,
-one table per request and KV cache group, told to the pool by
-:mod:`kvpool.patches.manager_hooks`) continues the table at its last block id + 1
+one table per request and KV cache group, found by the pool in the calling frames:
+:func:`kvpool.allocation.base.table_of_caller`) continues the table at its last block id + 1
 when that block is free, and places a table's first new run where its *expected
 growth* fits without entering another live table's reserved extent:
 ``cdiv(num_prompt_tokens + max_tokens, block_size)`` minus the blocks the table
@@ -52,7 +52,8 @@ class ContiguousPolicy(AllocationPolicy):
 
     Attributes:
         expected_tokens: ``{request_id: prompt + max_tokens}`` (tokens) of the requests
-            whose tables are live, from ``KVCacheManager.allocate_slots``.
+            whose tables are live, from ``KVCacheManager.allocate_slots`` (its frame, or
+            kvpool's native manager path).
         table_owners: ``{(id(manager), request_id): owner}``, the extent owner ids
             of the live tables (1 .. 0x7FFFFFF0).
         extent_cap: the largest extent a table is given (blocks).

@@ -16,7 +16,7 @@ pool's ``get_new_blocks``.
   ``KVCacheManager.allocate_slots`` above it (the request's expected length, prompt +
   ``max_tokens`` tokens: :meth:`AllocationPolicy.expect_tokens`). A hybrid model calls
   every group's ``allocate_new_blocks`` on every ``allocate_slots``, mostly to allocate
-  nothing: wrappers around those calls cost a Qwen3-Next-shaped scheduler step 5-7 %
+  nothing: wrappers around those calls cost a Qwen3-Next-shaped scheduler step 4-6 %
   (py-spy, vLLM 0.34.0), the look-up costs only the calls that allocate.
 
 kvpool's native manager path sets ``pool._table_context`` itself (a C frame has no

@@ -249,6 +249,20 @@ def _group_json(group) -> dict[str, Any]:
     return out
 
 
+def model_shapes_unavailable_reason() -> str | None:
+    """Why ``--model`` cannot resolve a KV cache with the installed vLLM (a release older
+    than 0.34.0: 0.33.0 has planning functions of these names, with other layer
+    internals, and what this module calls is 0.34.0's), else None. The replay's refusal,
+    and the reason its model-shape tests and benchmarks skip."""
+    from kvpool.vllm_compat import installed_vllm_version, release_key
+
+    version = installed_vllm_version() or "0"
+    if release_key(version) < (0, 34, 0):
+        return (f"--model resolves the KV cache as vLLM 0.34.0's engine does; vLLM {version} is older "
+                f"(without --model the replay runs on it)")
+    return None
+
+
 def resolve(vllm_config, *, kv_memory_bytes: int | None = None, num_blocks: int | None = None,
             user_block_size: int | None = None) -> KvGeometry:
     """Resolve the KV cache of ``vllm_config``'s model as vLLM's engine core does (see
@@ -265,13 +279,9 @@ def resolve(vllm_config, *, kv_memory_bytes: int | None = None, num_blocks: int 
     """
     import vllm
 
-    from kvpool.vllm_compat import release_key
-
-    if release_key(vllm.__version__) < (0, 34, 0):
-        # (0.33.0 has planning functions of these names, with other layer internals:
-        # what this module calls is 0.34.0's)
-        raise ValueError(f"--model resolves the KV cache as vLLM 0.34.0's engine does; vLLM "
-                         f"{vllm.__version__} is older (without --model the replay runs on it)")
+    reason = model_shapes_unavailable_reason()
+    if reason is not None:
+        raise ValueError(reason)
     try:
         from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
         from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
