@@ -32,13 +32,17 @@ RESOLVE = textwrap.dedent("""
     from dataclasses import replace
     from kvpool.tools.hf_offline import offline_hf_cache
     model, memory, overrides = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+    host = json.loads(sys.argv[4])   # {"avx512_bf16": bool or None, "engine": {...}, "caching": [...]}
+    if host.get("avx512_bf16") is not None:   # what vLLM's CpuPlatform asks of the host CPU
+        import torch
+        torch.cpu._is_avx512_bf16_supported = lambda: host["avx512_bf16"]
     with offline_hf_cache([model]):
         from kvpool.tools.replay import engine, workloads
         out = {}
-        for caching in (False, True):
+        for caching in host.get("caching", (False, True)):
             wl = workloads.long_sequential(enable_prefix_caching=caching)
             wl = replace(wl, engine=replace(wl.engine, model=model, max_model_len=262144,
-                                            hf_overrides=overrides or None))
+                                            hf_overrides=overrides or None, **host.get("engine", {})))
             pool, geo = engine.resolve_pool(wl, kv_memory_bytes=memory, num_blocks=0, user_block_size=32)
             sched = engine.build_scheduler(wl, pool)
             mc = sched.vllm_config.model_config
@@ -51,9 +55,9 @@ RESOLVE = textwrap.dedent("""
 """)
 
 
-def _resolve(overrides: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-c", RESOLVE, MAMBA, str(KV_BYTES), json.dumps(overrides)], cwd=REPO,
-                          env=_env(), capture_output=True, text=True, timeout=600)
+def _resolve(overrides: dict, host: dict | None = None) -> dict:
+    proc = subprocess.run([sys.executable, "-c", RESOLVE, MAMBA, str(KV_BYTES), json.dumps(overrides),
+                           json.dumps(host or {})], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -93,6 +97,22 @@ def test_prefix_caching_off_resolves_the_gb200_numbers(gb10):
     # no group allocates blocks of that size.
     assert geo["block_size"] == r["scheduler_block_size"] == math.lcm(1056, 262144) == 8_650_752
     assert geo["hash_block_size"] == geo["block_size"]
+    assert geo["mamba_ssm_cache_dtype"] == "float32"   # as Qwen3.5/3.6 configs' mamba_ssm_dtype
+
+
+@pytest.mark.parametrize("avx512_bf16", [True, False])
+def test_what_vllm_resolves_does_not_depend_on_the_host_cpu(avx512_bf16):
+    """vLLM's CpuPlatform turns an 'auto' SSM state dtype into float32 on an AVX512-BF16 host
+    only (the model dtype elsewhere, and on a GPU), which halves or doubles the Mamba page and so
+    every group's block size. The replay fixes float32 (EngineSpec.mamba_ssm_cache_dtype), so
+    both hosts resolve the GB200 geometry; with 'auto' they would not."""
+    fixed = _resolve(GB10_OVERRIDES, {"avx512_bf16": avx512_bf16, "caching": [False]})["off"]["geometry"]
+    assert _attention(fixed)["block_size"] == 1056 and fixed["num_blocks"] == 2619
+    auto = _resolve(GB10_OVERRIDES, {"avx512_bf16": avx512_bf16, "caching": [False],
+                                     "engine": {"mamba_ssm_cache_dtype": "auto"}})["off"]["geometry"]
+    # bfloat16 state: 1,048,576 + 49,152 bytes fit 544-token pages (544 x 2,048 bytes per layer)
+    assert (auto["mamba_ssm_cache_dtype"], _attention(auto)["block_size"]) == (
+        ("float32", 1056) if avx512_bf16 else ("auto", 544))
 
 
 def test_prefix_caching_on_keeps_1056_token_blocks_in_every_group(gb10):
@@ -115,6 +135,7 @@ def test_the_shipped_48_layer_config_gives_fewer_blocks_of_the_same_size():
     (["--model", MAMBA, "--hf-overrides", "[40]"], "expected a JSON object"),
     (["--model", MAMBA, "--hf-overrides", "{num_hidden_layers: 40}"], "expected a JSON object"),
     (["--hf-overrides", '{"num_hidden_layers": 40}'], "--hf-overrides needs --model"),
+    (["--mamba-ssm-cache-dtype", "auto"], "--mamba-ssm-cache-dtype needs --model"),
     (["--workload", "long-sequential", "--max-model-len", "66560"], "not longer than the workload's longest"),
 ])
 def test_bad_overrides_and_context_lengths_are_clear_errors(argv, message, tmp_path, capsys):

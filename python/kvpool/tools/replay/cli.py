@@ -117,6 +117,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-overrides", type=_json_object, metavar="JSON",
                    help="with --model: vLLM's --hf-overrides for the shipped config, a JSON object, e.g. "
                    "'{\"num_hidden_layers\": 40}' (docs/replay.md, 'The GB10 case')")
+    p.add_argument("--mamba-ssm-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="with --model: vLLM's --mamba-ssm-cache-dtype, the Mamba/GDN temporal state's dtype, "
+                   "which sets the page and block sizes (default float32, as Qwen3.5/3.6 configs set it; "
+                   "'auto' is the model dtype on a GPU, but float32 under vLLM's CPU platform on an "
+                   "AVX512-BF16 host)")
     p.add_argument("--max-model-len", type=cliargs.positive_int, metavar="N",
                    help="vLLM's --max-model-len (default: the workload's longest request, rounded up to 1024); "
                    "with --model it sizes a Mamba group's block when prefix caching is off")
@@ -186,7 +191,8 @@ def make_workload(args: argparse.Namespace) -> Workload:
             kwargs[key] = value
         wl = WORKLOADS[args.workload](**kwargs)
     engine_args = {"model": getattr(args, "model", None), "hf_overrides": getattr(args, "hf_overrides", None),
-                   "max_model_len": getattr(args, "max_model_len", None)}
+                   "max_model_len": getattr(args, "max_model_len", None),
+                   "mamba_ssm_cache_dtype": getattr(args, "mamba_ssm_cache_dtype", None)}
     engine_args = {k: v for k, v in engine_args.items() if v is not None}
     if engine_args:
         longest = max((r.prompt_len + r.output_len for r in wl.requests), default=0)
@@ -338,6 +344,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             parser.error("--kv-memory-gib needs --model (the default model's pool is --num-blocks x --block-size)")
         if getattr(args, "hf_overrides", None) is not None:
             parser.error("--hf-overrides needs --model (the default model's pool is built by hand)")
+        if getattr(args, "mamba_ssm_cache_dtype", None) is not None:
+            parser.error("--mamba-ssm-cache-dtype needs --model (the default model has no Mamba layers)")
     elif args.model not in _models():
         parser.error(f"argument --model: kvpool ships no config for {args.model!r}; choose from {', '.join(_models())}")
     if args.save_tables and not args.json:

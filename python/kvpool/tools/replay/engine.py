@@ -171,8 +171,10 @@ def replay_vllm_config(workload: Workload, pool: PoolSpec):
         max_model_len=max_model_len, enable_chunked_prefill=chunked,
         async_scheduling=eng.async_scheduling, is_encoder_decoder=False,
     )
+    # (--model runs only: a hand-built pool has no Mamba group)
+    mamba = {"mamba_ssm_cache_dtype": eng.mamba_ssm_cache_dtype} if pool.resolved else {}
     cache_config = CacheConfig(block_size=pool.user_block_size or pool.block_size, cache_dtype="auto",
-                               enable_prefix_caching=eng.enable_prefix_caching)
+                               enable_prefix_caching=eng.enable_prefix_caching, **mamba)
     kv_transfer_config = None
     if eng.kv_connector is not None:
         kv_transfer_config = KVTransferConfig(kv_connector=eng.kv_connector, kv_role=eng.kv_role)

@@ -78,6 +78,9 @@ class KvGeometry:
     kv_memory_bytes: int | None = None
     mamba_cache_mode: str | None = None
     mamba_block_size: int | None = None
+    #: vLLM's ``cache_config.mamba_ssm_cache_dtype`` once its platform and model config
+    #: updated it (a Mamba group's temporal state; :attr:`.workloads.EngineSpec.mamba_ssm_cache_dtype`).
+    mamba_ssm_cache_dtype: str | None = None
     #: The scheduler's ``enable_chunked_prefill`` (vLLM requires it for Mamba prefix
     #: caching, so a Mamba model's replay turns it on: :func:`.engine.replay_vllm_config`).
     chunked_prefill: bool | None = None
@@ -90,7 +93,8 @@ class KvGeometry:
         return {"model": self.model, "backend": self.backend, "block_size": self.block_size,
                 "hash_block_size": self.hash_block_size, "num_blocks": self.num_blocks,
                 "kv_memory_bytes": self.kv_memory_bytes, "mamba_cache_mode": self.mamba_cache_mode,
-                "mamba_block_size": self.mamba_block_size, "chunked_prefill": self.chunked_prefill,
+                "mamba_block_size": self.mamba_block_size, "mamba_ssm_cache_dtype": self.mamba_ssm_cache_dtype,
+                "chunked_prefill": self.chunked_prefill,
                 "kv_cache_size_tokens": self.kv_cache_size_tokens, "max_concurrency": self.max_concurrency,
                 "groups": self.groups}
 
@@ -114,6 +118,7 @@ def describe(geometry: dict[str, Any]) -> str:
                 f"(max concurrency {g['max_concurrency']:.2f}x)")
              + ("" if g.get("mamba_cache_mode") is None else
                 f", mamba_cache_mode {g['mamba_cache_mode']!r}, mamba_block_size {g['mamba_block_size']}, "
+                f"mamba_ssm_cache_dtype {g.get('mamba_ssm_cache_dtype')!r}, "
                 f"chunked prefill {'on' if g.get('chunked_prefill') else 'off'}")]
     for i, grp in enumerate(g["groups"]):
         extra = "".join(f", {k} {grp[k]}" for k in ("sliding_window", "mamba_cache_mode") if k in grp)
@@ -324,5 +329,6 @@ def resolve(vllm_config, *, kv_memory_bytes: int | None = None, num_blocks: int 
         groups=[_group_json(g) for g in sched.kv_cache_groups], kv_memory_bytes=kv_memory_bytes,
         mamba_cache_mode=cc.mamba_cache_mode if has_mamba else None,
         mamba_block_size=cc.mamba_block_size if has_mamba else None,
+        mamba_ssm_cache_dtype=cc.mamba_ssm_cache_dtype if has_mamba else None,
         chunked_prefill=bool(vllm_config.scheduler_config.enable_chunked_prefill),
         kv_cache_size_tokens=int(tokens), max_concurrency=float(concurrency), kv_cache_config=sched)

@@ -75,9 +75,10 @@ class EngineSpec:
     kv_connector: str | None = None
     kv_role: str | None = None
     model: str = DEFAULT_MODEL
-    #: vLLM's ``--hf-overrides`` for ``model``'s config (``--model`` runs), e.g.
-    #: ``{"num_hidden_layers": 40}``; ``None``: the shipped config as it is.
+    #: vLLM's ``--hf-overrides`` for ``model``'s config (``--model``), e.g. ``{"num_hidden_layers": 40}``.
     hf_overrides: dict[str, Any] | None = None
+    #: vLLM's ``--mamba-ssm-cache-dtype`` (``--model``; docs/replay.md, "Model shapes").
+    mamba_ssm_cache_dtype: str = "float32"
 
 
 @dataclass
@@ -94,8 +95,7 @@ class Workload:
     #: run and no reset runs between rounds (``serving``, traces without ``round``).
     continuous: bool = False
     window_steps: int = 0
-    #: A P/D workload (``pd``): the prefill side, the same requests to their first token
-    #: on a scheduler and pool of its own; this workload is the decode side.
+    #: A P/D workload (``pd``): the prefill side (the requests to their first token, own pool); this is the decode side.
     prefill: Workload | None = None
 
     @property
