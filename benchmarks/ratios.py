@@ -89,7 +89,13 @@ TARGETS_BY_RELEASE: dict[str, dict[str, float]] = {
         # and 14.9x: kvpool's loop slows under memory traffic, vLLM's 0.34.0 loop less.
         "alloc_free_2100": 12,
         "alloc_free_2100_contiguous": 8,
-        "alloc_free_whole_pool": 10,
+        # alloc_free_whole_pool: 14.7x / 15.6x quiet (590-630 rounds) on the machine the
+        # targets were set on. It depends on the last-level cache: 85,000 blocks' objects
+        # and list nodes outgrow an 8 MiB L3 (a 2-core AMD EPYC Zen 1 machine, 2026-12-05),
+        # where kvpool's alloc + free costs 54-68 ns per block against 16-18 ns at 2,100
+        # and 10,000 blocks, vLLM's 490 against 280: a clean-clone CI run 6.27x, its rerun 6.92x,
+        # 7.51x alone. The 2,100-block rows gate the per-block work at 12x on any machine.
+        "alloc_free_whole_pool": 5,
         "deferred_drain_2100": 12,
         "touch_free_2100_hashed": 12,
         "scheduler_step_serving": 1.25,

@@ -86,6 +86,10 @@ def test_alloc_free(benchmark, impl, num):
     def alloc_free():
         pool.free_blocks(reversed(pool.get_new_blocks(num)))
 
+    # One call before timing: kvpool creates block objects on first use (timed apart
+    # in first_use_whole_pool); with that call inside pytest-benchmark's calibration,
+    # its estimate of one call's time is the first use's and kvpool's side ran 5 rounds.
+    alloc_free()
     _tag(benchmark, "alloc_free_2100" if num == REQUEST_BLOCKS else "alloc_free_whole_pool", impl, num)
     benchmark(alloc_free)
     assert pool.get_num_free_blocks() == NUM_BLOCKS - 1
