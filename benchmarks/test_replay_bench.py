@@ -59,8 +59,8 @@ WORKLOADS = {
                                                   "openai/gpt-oss-20b")),
     # ... and on Qwen3-Next's (three Mamba groups in mamba_cache_mode="align" + full
     # attention, 1,088-token blocks): 321 blocks, what 8 GiB of KV memory gives, so the
-    # pool wraps. Its running step has no native path: the gate is the pool's and the
-    # hooks' cost beside vLLM's Python managers (docs/performance.md, "Hybrid models").
+    # pool wraps. Its idle running steps are native, Mamba groups included
+    # (docs/performance.md, "Hybrid models").
     "serving_qwen3_next": (ROUNDS, lambda: _on_model(workloads.serving(rounds=ROUNDS, window_steps=400),
                                                      "Qwen/Qwen3-Next-80B-A3B-Instruct")),
 }

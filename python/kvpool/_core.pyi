@@ -228,6 +228,9 @@ def configure_hybrid_running_step(
     coordinator_names: Iterable[str],
     single_type_names: Iterable[str],
     step_globals: Iterable[tuple[dict[str, Any], str, Any]] = (),
+    mamba_cls: type | None = None,
+    mamba_spec_cls: type | None = None,
+    mamba_names: Iterable[str] = (),
 ) -> None: ...
 def hybrid_running_step_state() -> dict[str, Any]: ...
 def configure_prefix_lookup(

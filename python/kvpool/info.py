@@ -90,23 +90,30 @@ def describe() -> str:
                      + _manager_path_state())
         lines.append("native idle step of hybrid models (full attention + sliding window): "
                      + _hybrid_step_state())
+        lines.append("... and of their Mamba groups (mamba_cache_mode=align): "
+                     + _hybrid_step_state(mamba=True))
     return "\n".join(lines)
 
 
-def _hybrid_step_state() -> str:
+def _hybrid_step_state(mamba: bool = False) -> str:
     """Whether ``kvpool.patches.hybrid_fast_path`` can arm on this vLLM (beside the
-    native manager path, which it needs)."""
+    native manager path, which it needs); ``mamba``: its Mamba groups' part too."""
     try:
         from kvpool.patches import hybrid_fast_path, manager_fast_path
 
         release = manager_fast_path.matching_release()
         known = hybrid_fast_path.KNOWN_HYBRID_SOURCES.get(release or "")
         matches = bool(known) and hybrid_fast_path.hybrid_fingerprint() == known
+        known_mamba = hybrid_fast_path.KNOWN_MAMBA_SOURCES.get(release or "")
+        matches_mamba = bool(known_mamba) and hybrid_fast_path.mamba_fingerprint() == known_mamba
     except Exception as e:  # noqa: BLE001 - info reports, never fails on vLLM's internals
         return f"unknown ({type(e).__name__}: {e})"
     if not matches:
         return ("off: this vLLM's hybrid coordinator and managers are not a release's it was checked "
                 f"against ({', '.join(hybrid_fast_path.KNOWN_HYBRID_SOURCES)})")
+    if mamba and not matches_mamba:
+        return ("off: this vLLM's MambaManager is not a release's it was checked against "
+                f"({', '.join(r for r, h in hybrid_fast_path.KNOWN_MAMBA_SOURCES.items() if h)})")
     if envs.get(envs.PYTHON_MANAGER):
         return f"off: {envs.PYTHON_MANAGER} is on"
     return f"on ({release}'s)"

@@ -20,30 +20,35 @@ cdef class _HybridStep:
     cdef public object full_attention_cls    # FullAttentionManager
     cdef public object sliding_window_cls    # SlidingWindowManager
     cdef public object full_spec_cls, sliding_spec_cls   # FullAttentionSpec, SlidingWindowSpec
+    cdef public object mamba_cls, mamba_spec_cls   # MambaManager, MambaSpec (None: not armed)
     cdef public tuple class_checks           # ((cls, name, function), ...)
     cdef public tuple coordinator_names      # not to be set on the coordinator instance
     cdef public tuple single_type_names      # ... nor on a group's manager
+    cdef public tuple mamba_names            # ... nor on a Mamba group's manager
     cdef readonly tuple step_globals         # ((namespace dict, name, value), ...)
     cdef vector[PyObject*] step_checks
-    cdef unsigned int tags[5]
+    cdef unsigned int tags[7]
+    cdef int n_classes
     cdef public Py_ssize_t native_steps, vllm_steps
 
     def __init__(self):
         self.enabled = False
-        self.class_checks = self.coordinator_names = self.single_type_names = ()
+        self.class_checks = self.coordinator_names = self.single_type_names = self.mamba_names = ()
+        self.mamba_cls = self.mamba_spec_cls = None
+        self.n_classes = 5
         self.step_globals = ()
         self.tags[0] = 0
         self.native_steps = self.vllm_steps = 0
 
     cdef bint classes_unchanged(self):
-        """The hybrid coordinator's, the two managers' and their specs' classes still
-        resolve every mirrored method and property to vLLM's, and the module names they
+        """The hybrid coordinator's, the managers' and their specs' classes (Mamba's when
+        armed) still resolve every mirrored method and property to vLLM's, and the module names they
         read are vLLM's (no module name shadows a builtin they call; checked through
         getattr after any change to the classes). The request's class is the native
         manager path's (``_AllocateSlotsFastPath.request_cls``), checked by
         :func:`_eligible` before it returns ``_HYBRID``."""
-        cdef int i
-        cdef PyObject* classes[5]
+        cdef int i, n = self.n_classes
+        cdef PyObject* classes[7]
         if not _namespace_entries_are(self.step_checks):
             return False
         classes[0] = <PyObject*>self.coordinator_cls
@@ -51,16 +56,18 @@ cdef class _HybridStep:
         classes[2] = <PyObject*>self.sliding_window_cls
         classes[3] = <PyObject*>self.full_spec_cls
         classes[4] = <PyObject*>self.sliding_spec_cls
+        classes[5] = <PyObject*>self.mamba_cls
+        classes[6] = <PyObject*>self.mamba_spec_cls
         if self.tags[0] != 0:
             i = 0
-            while i < 5 and kvpool_type_tag(classes[i]) == self.tags[i]:
+            while i < n and kvpool_type_tag(classes[i]) == self.tags[i]:
                 i += 1
-            if i == 5:
+            if i == n:
                 return True
         if not _resolve_to(self.class_checks):
             self.tags[0] = 0
             return False
-        for i in range(5):
+        for i in range(n):
             self.tags[i] = kvpool_type_tag(classes[i])
         return True
 
@@ -74,7 +81,8 @@ cdef object _HYBRID = object()   # _eligible: the coordinator is the hybrid one 
 def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, sliding_window_cls,
                                   full_spec_cls, sliding_spec_cls,
                                   class_checks, coordinator_names, single_type_names,
-                                  step_globals=()):
+                                  step_globals=(), mamba_cls=None, mamba_spec_cls=None,
+                                  mamba_names=()):
     """Arm the hybrid running step of :func:`kv_cache_manager_allocate_slots` (called by
     ``kvpool.patches.hybrid_fast_path`` after the native allocate_slots is configured;
     ``disable_allocate_slots_fast_path`` disarms both).
@@ -84,7 +92,13 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
     methods the step's code calls, the specs' ``prefix_cacheable`` properties); ``*_names``: method names that must not be set on the
     coordinator / group manager instances; ``step_globals``: ``(namespace dict, name,
     value)`` triples of the module names those methods read (value None: the name must
-    be absent, a builtin they call)."""
+    be absent, a builtin they call). ``mamba_cls`` / ``mamba_spec_cls``: vLLM's
+    ``MambaManager`` and ``MambaSpec`` when the Mamba groups' idle step is armed too
+    (``class_checks`` and ``step_globals`` then cover its methods; ``mamba_names``: its
+    methods that must not be set on a Mamba manager instance); None: a model with a
+    Mamba group keeps vLLM's step."""
+    if (mamba_cls is None) != (mamba_spec_cls is None):
+        raise ValueError("mamba_cls and mamba_spec_cls go together")
     _hybrid.enabled = False
     _hybrid.coordinator_cls = coordinator_cls
     _hybrid.full_attention_cls = full_attention_cls
@@ -94,6 +108,10 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
     _hybrid.class_checks = tuple(class_checks)
     _hybrid.coordinator_names = tuple(coordinator_names)
     _hybrid.single_type_names = tuple(single_type_names)
+    _hybrid.mamba_cls = mamba_cls
+    _hybrid.mamba_spec_cls = mamba_spec_cls
+    _hybrid.mamba_names = tuple(mamba_names)
+    _hybrid.n_classes = 5 if mamba_cls is None else 7
     _hybrid.step_globals = tuple(step_globals)
     _fill_checks(_hybrid.step_checks, _hybrid.step_globals)
     _hybrid.tags[0] = 0
@@ -102,11 +120,11 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
 
 
 def hybrid_running_step_state():
-    """``{"enabled", "native_steps", "vllm_steps"}``: whether the hybrid step is armed,
-    the running steps it answered, and those of a hybrid coordinator it handed to vLLM's
-    code (tests, ``kvpool info``)."""
-    return {"enabled": _hybrid.enabled, "native_steps": _hybrid.native_steps,
-            "vllm_steps": _hybrid.vllm_steps}
+    """``{"enabled", "mamba", "native_steps", "vllm_steps"}``: whether the hybrid step
+    is armed (and for Mamba groups), the running steps it answered, and those of a hybrid
+    coordinator it handed to vLLM's code (tests, ``kvpool info``)."""
+    return {"enabled": _hybrid.enabled, "mamba": _hybrid.enabled and _hybrid.mamba_cls is not None,
+            "native_steps": _hybrid.native_steps, "vllm_steps": _hybrid.vllm_steps}
 
 
 cdef object _hybrid_running_step(_AllocateSlotsFastPath fp, manager, request, _Step* s,
@@ -121,35 +139,42 @@ cdef object _hybrid_running_step(_AllocateSlotsFastPath fp, manager, request, _S
     which reads it, or not, as it does: every read here is a plain attribute of an
     object of vLLM's exact class, so reading it twice runs no code twice."""
     cdef _HybridStep hp = _hybrid
-    cdef long long free_blocks = 0
+    cdef long long free_blocks = 0, to_alloc = 0
     try:
         idle = _hybrid_step_idle(hp, fp, manager, request, s, has_scheduled_reqs,
-                                 delay_cache_blocks, &free_blocks)
+                                 delay_cache_blocks, &free_blocks, &to_alloc)
     except AttributeError:
         idle = False
     if not idle:
         hp.vllm_steps += 1
         return _VLLM
     hp.native_steps += 1
-    # (an idle step allocates nothing: the contiguous policy needs no expected length)
-    if s.watermark > free_blocks - s.reserved:
+    # (an idle step allocates nothing: the contiguous policy needs no expected length;
+    # to_alloc: vLLM's sum of get_num_blocks_to_allocate, which a Mamba group whose
+    # table is longer than it needs makes negative)
+    if to_alloc + s.watermark > free_blocks - s.reserved:
         return None
     return manager.empty_kv_cache_blocks
 
 
 cdef bint _hybrid_step_idle(_HybridStep hp, _AllocateSlotsFastPath fp, manager, request,
                             _Step* s, bint has_scheduled_reqs, bint delay_cache_blocks,
-                            long long* free_blocks) except -1:
-    """Every group of the step is idle (:func:`_hybrid_group_idle`) and the pool's free
-    count is read natively into ``free_blocks`` (``get_num_free_blocks`` vLLM's: one that
-    is not is vLLM's to call); False otherwise."""
+                            long long* free_blocks, long long* to_alloc) except -1:
+    """Every group of the step is idle (:func:`_hybrid_group_idle`,
+    :func:`_mamba_group_idle`) and the pool's free count is read natively into
+    ``free_blocks`` (``get_num_free_blocks`` vLLM's: one that is not is vLLM's to call),
+    the groups' ``get_num_blocks_to_allocate`` summed into ``to_alloc``; False
+    otherwise."""
     cdef long long in_flight, request_tokens, total, main, need, processed, n_cache
+    cdef long long sbs, n_cacheable = -1
     cdef Py_ssize_t i, n_groups, n_hashes = 0
+    cdef int served
     if type(request) is not fp.request_cls or not hp.classes_unchanged():
         return False
     coordinator = manager.coordinator
     managers = coordinator.single_type_managers
-    if (not _hybrid_managers_served(hp, managers)   # first: a Mamba model's calls leave here
+    served = _hybrid_managers_served(hp, managers)   # first: another group type leaves here
+    if (not served
             or not _not_overridden(coordinator, hp.coordinator_names)
             or not _hybrid_coordinator_plain(coordinator, delay_cache_blocks)):
         return False
@@ -172,28 +197,45 @@ cdef bint _hybrid_step_idle(_HybridStep hp, _AllocateSlotsFastPath fp, manager, 
     need = main + s.lookahead if main + s.lookahead < s.max_len else s.max_len
     processed = total - in_flight if total > in_flight else 0
     n_cache = main if main < request_tokens else request_tokens
+    if served == 2 and not delay_cache_blocks:
+        # HybridKVCacheCoordinator.get_num_cacheable_tokens of a group without EAGLE
+        # (_hybrid_coordinator_plain: sbs a positive int, the flag a bool)
+        n_cacheable = n_cache
+        if coordinator.enable_partial_hash_hits is False:
+            _nonneg(coordinator.scheduler_block_size, &sbs)
+            n_cacheable = n_cache // sbs * sbs
     n_groups = len(<tuple>managers)
     for i in range(n_groups):
-        if not _hybrid_group_idle(hp, (<tuple>managers)[i], <str>request_id, need, processed,
-                                  -1 if delay_cache_blocks else n_cache, n_hashes,
-                                  (<tuple>empty_blocks)[i]):
+        mgr = (<tuple>managers)[i]
+        if type(mgr) is hp.mamba_cls:
+            if not _mamba_group_idle(hp, mgr, request, <str>request_id, main, processed,
+                                     n_cacheable, n_hashes, s.computed,
+                                     (<tuple>empty_blocks)[i], to_alloc):
+                return False
+        elif not _hybrid_group_idle(hp, mgr, <str>request_id, need, processed,
+                                    -1 if delay_cache_blocks else n_cache, n_hashes,
+                                    (<tuple>empty_blocks)[i]):
             return False
     return _native_free_count(fp, manager.block_pool, free_blocks)
 
 
-cdef inline bint _hybrid_managers_served(_HybridStep hp, managers):
-    """The coordinator's ``single_type_managers`` is a tuple of managers of the two exact
-    classes the step mirrors (``FullAttentionManager``, ``SlidingWindowManager``). A model
-    with another group type (Mamba, chunked local attention) fails here, at the cost of a
+cdef inline int _hybrid_managers_served(_HybridStep hp, managers):
+    """The coordinator's ``single_type_managers`` is a tuple of managers of the exact
+    classes the step mirrors (``FullAttentionManager``, ``SlidingWindowManager``, and
+    ``MambaManager`` when armed): 1, or 2 with a Mamba group. A model with another group
+    type (chunked local attention, cross attention, ...) fails here (0), at the cost of a
     few type tests, before anything else of its call is read."""
     cdef Py_ssize_t i
+    cdef int served = 1
     if type(managers) is not tuple:
-        return False
+        return 0
     for i in range(len(<tuple>managers)):
         t = type((<tuple>managers)[i])
-        if t is not hp.full_attention_cls and t is not hp.sliding_window_cls:
-            return False
-    return True
+        if t is hp.mamba_cls and t is not None:
+            served = 2
+        elif t is not hp.full_attention_cls and t is not hp.sliding_window_cls:
+            return 0
+    return served
 
 
 cdef bint _hybrid_coordinator_plain(coordinator, bint delay_cache_blocks) except -1:

@@ -1,4 +1,5 @@
-"""The idle running step of a hybrid model natively (full attention beside sliding window).
+"""The idle running step of a hybrid model natively (full attention beside sliding window
+or Mamba / linear-attention groups).
 
 Not a patch module of its own: :func:`kvpool.patches.manager_fast_path.apply` calls
 :func:`bind` once it has bound the native ``KVCacheManager.allocate_slots``.
@@ -7,22 +8,27 @@ What it replaces: with more than one KV cache group vLLM's ``KVCacheManager`` ru
 ``HybridKVCacheCoordinator``, several single-type managers over one pool
 (``vllm/v1/core/kv_cache_coordinator.py``, vLLM 0.34.0). A running request's decode
 step usually changes nothing in any group: no group needs a new block, the sliding
-window's last dropped block is already the null block, every full block is cached.
+window's last dropped block is already the null block, a Mamba group in
+``mamba_cache_mode="align"`` keeps its running state block, every full block is cached.
 vLLM still walks about fifteen Python calls across the coordinator and each group's
 manager to find that out, and returns the manager's shared empty ``KVCacheBlocks``.
 ``kvpool._core.kv_cache_manager_allocate_slots`` (``src/kvpool/hybrid_step.pxi``)
 recognises that step from the plain attributes vLLM's code reads and returns the same
 object (or None where the watermark or reserved blocks refuse it, as vLLM's free-count
 check does). Every step that allocates, frees, caches or copies a block, every group
-of another manager type (Mamba, chunked local, cross attention, ...), an EAGLE group, a
-full-attention group whose block is larger than the hash block, and every call whose
-methods are patched goes to vLLM's ``allocate_slots`` before anything changes.
+of another manager type (chunked local, cross attention, Mamba outside align mode,
+...), an EAGLE group, a full-attention group whose block is larger than the hash block,
+and every call whose methods are patched goes to vLLM's ``allocate_slots`` before
+anything changes.
 
 It is bound only where its reading is vLLM's: the sources of :data:`HYBRID_MIRRORED`
 and :data:`HYBRID_LAYOUT` must hash to the entry of :data:`KNOWN_HYBRID_SOURCES` of the
 release the native allocate_slots was bound for (recorded after
 tests/integration/test_manager_hybrid_step.py passed in that release's environment);
-elsewhere hybrid models keep vLLM's Python, with one info line.
+elsewhere hybrid models keep vLLM's Python, with one info line. Mamba groups have their
+own fingerprint (:data:`MAMBA_MIRRORED`, :data:`MAMBA_LAYOUT`,
+:data:`KNOWN_MAMBA_SOURCES`, checked by tests/integration/test_manager_mamba_step.py): a
+release that changes only Mamba keeps the native step of full + sliding-window models.
 """
 
 from __future__ import annotations
@@ -84,10 +90,46 @@ HYBRID_LAYOUT: tuple[tuple[str, str | None], ...] = (
     ("Request", "num_tokens"),
 )
 
+#: The vLLM functions a Mamba group's part of the step reproduces (``MambaManager`` in
+#: ``mamba_cache_mode="align"``, ``src/kvpool/mamba_step.pxi``), as in
+#: :data:`HYBRID_MIRRORED`.
+MAMBA_MIRRORED: tuple[tuple[str, str], ...] = (
+    ("MambaManager", "remove_skipped_blocks"),
+    ("MambaManager", "get_num_skipped_tokens"),
+    ("MambaManager", "_remove_blocks_in_range"),
+    ("MambaManager", "get_num_blocks_to_allocate"),
+    ("MambaManager", "_has_partial_local_hit"),
+    ("MambaManager", "_needs_internal_checkpoint"),
+    ("MambaManager", "_get_num_evictable_blocks"),
+    ("MambaManager", "allocate_new_blocks"),
+    ("MambaManager", "cache_blocks"),
+    ("MambaManager", "_cache_partial_tail_block"),
+    ("MambaSpec", "prefix_cacheable"),
+    ("single_type_kv_cache_manager", "get_mamba_prefill_checkpoint_position"),
+    ("single_type_kv_cache_manager", "is_mamba_prefill_checkpoint_valid"),
+)
+
+#: ... and the definitions whose layout it reads: the Mamba manager's constructor
+#: (``last_state_block_idx``, ``_num_retired_blocks``, ``_allocated_block_reqs``,
+#: ``_checkpoints``, ``has_prefill_checkpoint_blocks``, ...) and ``MambaSpec``.
+MAMBA_LAYOUT: tuple[tuple[str, str | None], ...] = (
+    ("MambaManager", "__init__"),
+    ("MambaSpec", None),
+)
+
 #: sha256 of :func:`hybrid_source` per vLLM release the hybrid step was checked against.
 KNOWN_HYBRID_SOURCES: dict[str, str] = {
     "0.34.0": "5d15b2d742f427ee8e8873d489e008dda5939b64b1c190e5da52cebad5ddefb5",
 }
+
+#: sha256 of :func:`mamba_source` per vLLM release its Mamba part was checked against.
+KNOWN_MAMBA_SOURCES: dict[str, str] = {
+    "0.34.0": "74d377d57dbd43a1378d6d40d579f27d39594f9cc440c93f5a17b47e5fd42f06",
+}
+
+#: Methods of a Mamba group's manager, beyond ``HYBRID_SINGLE_TYPE_NAMES``, that must not
+#: be set on its instance.
+MAMBA_NAMES = ("_needs_internal_checkpoint",)
 
 # The classes whose methods and properties every hybrid step checks (through the
 # version tags of all but SingleTypeKVCacheManager: a change to it, whose cache_blocks
@@ -95,7 +137,7 @@ KNOWN_HYBRID_SOURCES: dict[str, str] = {
 # tags). The request's class and its num_tokens property: the native manager path's
 # checks, which run before the hybrid step.
 _CHECKED = ("HybridKVCacheCoordinator", "FullAttentionManager", "SlidingWindowManager",
-            "SingleTypeKVCacheManager", "FullAttentionSpec", "SlidingWindowSpec")
+            "SingleTypeKVCacheManager", "FullAttentionSpec", "SlidingWindowSpec", "MambaManager", "MambaSpec")
 
 
 def hybrid_classes() -> dict[str, Any]:
@@ -112,6 +154,8 @@ def hybrid_classes() -> dict[str, Any]:
         "SlidingWindowManager": single_type_kv_cache_manager.SlidingWindowManager,
         "FullAttentionSpec": kv_cache_interface.FullAttentionSpec,
         "SlidingWindowSpec": kv_cache_interface.SlidingWindowSpec,
+        "MambaManager": getattr(single_type_kv_cache_manager, "MambaManager", None),
+        "MambaSpec": getattr(kv_cache_interface, "MambaSpec", None),
     }
 
 
@@ -143,14 +187,30 @@ def hybrid_fingerprint(classes: dict[str, Any] | None = None) -> str | None:
         return None
 
 
-def _step_globals(classes: dict[str, Any]) -> tuple[tuple[dict, str, Any], ...]:
+def mamba_source(classes: dict[str, Any] | None = None) -> str:
+    """``definitions_source`` of :data:`MAMBA_MIRRORED`, then :data:`MAMBA_LAYOUT`."""
+    from kvpool.patches.manager_fast_path import definitions_source
+
+    return definitions_source(MAMBA_MIRRORED + MAMBA_LAYOUT, classes or hybrid_classes())
+
+
+def mamba_fingerprint(classes: dict[str, Any] | None = None) -> str | None:
+    """sha256 (hex) of :func:`mamba_source`, or None when a source cannot be read (or the
+    release has no Mamba manager)."""
+    try:
+        return hashlib.sha256(mamba_source(classes).encode()).hexdigest()
+    except (OSError, TypeError, AttributeError, KeyError):
+        return None
+
+
+def _step_globals(classes: dict[str, Any], mirrored=HYBRID_MIRRORED) -> tuple[tuple[dict, str, Any], ...]:
     """``(namespace dict, name, value)`` of every function and class the mirrored
     methods read from their modules (``cdiv``, ``round_down``, ``replay_boundaries``,
     ``CrossAttentionManager``, ...), and ``(namespace dict, name, None)`` of every
     builtin they call (``max``, ``len``, ...), which no module name may shadow: replaced
     or shadowed there after install, the step is vLLM's."""
     found: dict[tuple[int, str], tuple[dict, str, Any]] = {}
-    for cls_name, name in HYBRID_MIRRORED:
+    for cls_name, name in mirrored:
         func = _resolved(classes, cls_name, name)
         if not isinstance(func, types.FunctionType):
             continue
@@ -190,10 +250,12 @@ def bind(release: str) -> bool:
         logger.info("kvpool: the running step of hybrid models stays vLLM's Python: %s wrapped by "
                     "other code", ", ".join(foreign))
         return False
+    mirrored = HYBRID_MIRRORED + (MAMBA_MIRRORED if _mamba_known(release, classes) else ())
     # (what the classes resolve to now: under the contiguous policy its manager hooks'
     # wrappers, which an idle step has nothing to do for; the native step tells the
     # policy the request's length as the hook on allocate_slots does)
-    class_checks = [(classes[c], n, _bound_function(classes[c], n)) for c, n in HYBRID_MIRRORED if c in _CHECKED]
+    class_checks = [(classes[c], n, _bound_function(classes[c], n)) for c, n in mirrored if c in _CHECKED]
+    mamba = mirrored is not HYBRID_MIRRORED
     _core.configure_hybrid_running_step(
         coordinator_cls=classes["HybridKVCacheCoordinator"],
         full_attention_cls=classes["FullAttentionManager"],
@@ -203,10 +265,34 @@ def bind(release: str) -> bool:
         class_checks=class_checks,
         coordinator_names=HYBRID_COORDINATOR_NAMES,
         single_type_names=HYBRID_SINGLE_TYPE_NAMES,
-        step_globals=_step_globals(classes),
+        step_globals=_step_globals(classes, mirrored),
+        mamba_cls=classes["MambaManager"] if mamba else None,
+        mamba_spec_cls=classes["MambaSpec"] if mamba else None,
+        mamba_names=MAMBA_NAMES,
     )
     return True
 
 
-__all__ = ["HYBRID_LAYOUT", "HYBRID_MIRRORED", "KNOWN_HYBRID_SOURCES", "bind", "hybrid_fingerprint",
-           "hybrid_source"]
+def _mamba_known(release: str, classes: dict[str, Any]) -> bool:
+    """The Mamba groups' part is armed: :func:`mamba_fingerprint` is ``release``'s entry
+    of :data:`KNOWN_MAMBA_SOURCES` and none of :data:`MAMBA_MIRRORED` is wrapped by
+    other code; else False with one info line (Mamba models keep vLLM's step)."""
+    from kvpool.patches.manager_fast_path import _foreign_wrapper
+
+    known = KNOWN_MAMBA_SOURCES.get(release)
+    if not known or mamba_fingerprint(classes) != known:
+        logger.info("kvpool: the running step of hybrid models with Mamba groups stays vLLM's Python: "
+                    "this vLLM's MambaManager is not that of a release kvpool's step was checked "
+                    "against (%s)", ", ".join(r for r, h in KNOWN_MAMBA_SOURCES.items() if h))
+        return False
+    foreign = [f"{c}.{n}" for c, n in MAMBA_MIRRORED
+               if isinstance(classes.get(c), type) and _foreign_wrapper(getattr(classes[c], n, None))]
+    if foreign:
+        logger.info("kvpool: the running step of hybrid models with Mamba groups stays vLLM's Python: "
+                    "%s wrapped by other code", ", ".join(foreign))
+        return False
+    return True
+
+
+__all__ = ["HYBRID_LAYOUT", "HYBRID_MIRRORED", "KNOWN_HYBRID_SOURCES", "KNOWN_MAMBA_SOURCES", "MAMBA_LAYOUT",
+           "MAMBA_MIRRORED", "bind", "hybrid_fingerprint", "hybrid_source", "mamba_fingerprint", "mamba_source"]

@@ -1,0 +1,285 @@
+"""The Mamba groups' part of the native hybrid step (``src/kvpool/mamba_step.pxi``,
+``kvpool.patches.hybrid_fast_path.MAMBA_MIRRORED``) against the installed vLLM's own
+``KVCacheManager.allocate_slots``, under ``HybridKVCacheCoordinator`` with a
+full-attention group beside Mamba groups in ``mamba_cache_mode="align"`` (the Qwen3-Next /
+Qwen3.5 shape; the replay's ``--model`` runs vLLM's own resolution of those models).
+
+The differential drives two managers over the same groups with the same random
+operations, as tests/integration/test_manager_hybrid_step.py does: new requests through
+vLLM's path (prefix hits, block-aligned prefill chunks as vLLM's scheduler splits them in
+align mode), running steps with 1-4 new tokens, lookahead tokens, in-flight tokens,
+watermarks, reserved blocks and delayed caching, frees, failed allocations, an engine
+step's start (``new_step_starts``) every 8 operations. After each
+operation it compares the returned blocks, every group's tables and cached counts, each
+Mamba manager's per-request bookkeeping (``last_state_block_idx``,
+``_num_retired_blocks``, ``_allocated_block_reqs``, ``_checkpoints``, pending
+copy-on-write and boundary-state offloads, ``cached_blocks_this_step``), the prefix-cache
+map, the free count and free-queue order, the new block ids and the KV events.
+Cases: sparse retention (``prefix_cache_retention_interval`` 0, as vLLM sets it for
+Qwen3-Next), dense retention (None), a positive interval, the shared-prefix checkpoint on.
+
+    KVPOOL_MANAGER_DIFF_OPS=400000 python -m pytest tests/integration/test_manager_mamba_step.py -s
+
+runs 10^5 operations per case (a quarter of the setting; default 20,000).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+import kvpool
+from kvpool import _core
+from kvpool.patches import hybrid_fast_path
+from tests.integration.test_manager_fast_path import _summary, _vanilla_allocate_slots
+from tests.integration.test_manager_hybrid_step import _installed_release_is_known, _state
+from tests.support.scheduler import make_request
+
+# Native code reading vLLM's objects: also run under ASan/UBSan and the Py_DEBUG interpreter
+# (scripts/test-sanitizers.sh, scripts/test-debug-python.sh: 1,500 operations per case).
+pytestmark = [pytest.mark.sanitizer, pytest.mark.debug]
+
+BLOCK_SIZE = 16
+NUM_OPS = int(os.environ.get("KVPOOL_MANAGER_DIFF_OPS", "20000"))
+SEED = int(os.environ.get("KVPOOL_DIFF_SEED", "20261204"))
+PREFIXES = [list(range(9_000 * g, 9_000 * g + n)) for g, n in enumerate((48, 112, 160))]
+
+
+def _mamba_is_known() -> bool:
+    from kvpool.patches.manager_fast_path import matching_release
+
+    release = matching_release()
+    return (_installed_release_is_known()
+            and hybrid_fast_path.KNOWN_MAMBA_SOURCES.get(release) == hybrid_fast_path.mamba_fingerprint())
+
+
+needs_known_mamba = pytest.mark.skipif(
+    not _mamba_is_known(),
+    reason="the installed vLLM's MambaManager is not one the hybrid step was checked against "
+           "(test_the_mamba_step_is_armed_only_on_a_known_release covers it)")
+
+
+def _manager(num_blocks: int, events: bool, retention: int | None, shared_checkpoint: bool,
+             num_mamba: int = 2):
+    import torch
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    groups = [KVCacheGroupSpec(["layer.full"], FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1,
+                                                                 head_size=1, dtype=torch.float32))]
+    for i in range(num_mamba):
+        spec = MambaSpec(block_size=BLOCK_SIZE, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
+        groups.append(KVCacheGroupSpec([f"layer.mamba{i}"], spec))
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+                           prefix_cache_retention_interval=retention)
+    manager = KVCacheManager(config, max_model_len=4096, scheduler_block_size=BLOCK_SIZE,
+                             hash_block_size=BLOCK_SIZE, enable_caching=True, enable_kv_cache_events=events,
+                             enable_mamba_shared_prefix_checkpoint=shared_checkpoint)
+    for single in manager.coordinator.single_type_managers:
+        single._record_new_block_ids = True
+    return manager
+
+
+def _ids(value):
+    """Block objects as their ids, inside the containers the Mamba bookkeeping uses."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_ids(v) for v in value)
+    return getattr(value, "block_id", value)
+
+
+def _mamba_state(manager) -> list:
+    out = []
+    for single in manager.coordinator.single_type_managers:
+        if type(single).__name__ != "MambaManager":
+            continue
+        out.append((dict(single.last_state_block_idx), dict(single._num_retired_blocks),
+                    sorted(single._allocated_block_reqs), dict(single._checkpoints),
+                    {k: _ids(v) for k, v in single._partial_hit_reqs.items()},
+                    _ids(list(single._pending_boundary_state_offloads)),
+                    _ids(list(single._pending_cow_copies)),
+                    sorted(single.cached_blocks_this_step)))
+    return out
+
+
+def _chunk(rng: random.Random, prefill_left: int) -> int:
+    """A step's new tokens as vLLM's scheduler gives them in align mode: prefill chunks of
+    whole blocks (or the prompt's remainder), then decode steps of 1-4 tokens."""
+    if prefill_left > 0:
+        return min(BLOCK_SIZE * rng.choice((1, 4, 19)), prefill_left)
+    return rng.choice((1,) * 12 + (2, 4))
+
+
+def _run(num_ops: int, num_blocks: int, seed: int, *, events: bool = False, retention: int | None = 0,
+         shared_checkpoint: bool = False) -> dict:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.request import RequestStatus
+
+    rng = random.Random(seed)
+    kvpool.install()
+    assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
+    sides = [(_manager(num_blocks, events, retention, shared_checkpoint), _vanilla_allocate_slots(), {}),
+             (_manager(num_blocks, events, retention, shared_checkpoint), KVCacheManager.allocate_slots, {})]
+    before = _core.hybrid_running_step_state()
+    live: list[str] = []
+    next_id = 0
+    counts = {"add": 0, "step": 0, "none": 0, "free": 0}
+    for op in range(num_ops):
+        if op % 8 == 0:   # an engine step starts (the scheduler's call; Mamba defers same-step hits)
+            for manager, _, _ in sides:
+                manager.new_step_starts()
+        roll = rng.random()
+        if len(live) < 3 or (roll < 0.05 and len(live) < 10):
+            rid, next_id = f"r{next_id}", next_id + 1
+            prompt = list(rng.choice(PREFIXES)) + [rng.randrange(1, 30_000) for _ in range(rng.randrange(1, 150))]
+            results = []
+            for manager, allocate_slots, requests in sides:
+                req = make_request(rid, prompt, max_tokens=10_000, block_size=BLOCK_SIZE)
+                blocks, hit = manager.get_computed_blocks(req)[:2]
+                n = _chunk(random.Random(op), len(prompt) - hit)
+                out = allocate_slots(manager, req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+                results.append((hit, _summary(manager, out)))
+                if out is not None:
+                    req.status = RequestStatus.RUNNING
+                    req.num_computed_tokens = hit + n
+                    requests[rid] = req
+            assert results[0] == results[1], (op, "add", results)
+            if results[0][1] is not None:
+                live.append(rid)
+            counts["add"] += 1
+        elif roll < 0.09 or sides[0][2][live[0]].num_tokens > 1200:
+            rid = live.pop(rng.randrange(len(live)) if roll < 0.09 else 0)
+            for manager, _, requests in sides:
+                manager.free(requests.pop(rid))
+            counts["free"] += 1
+        else:
+            rid = rng.choice(live)
+            req0 = sides[0][2][rid]
+            n = _chunk(rng, req0.num_prompt_tokens - req0.num_computed_tokens)
+            kwargs = {}
+            if rng.random() < 0.15:
+                kwargs["num_lookahead_tokens"] = rng.choice((1, 3, 40))
+            if rng.random() < 0.15:
+                kwargs["reserved_blocks"] = rng.choice((1, 8, num_blocks // 2, num_blocks))
+            if rng.random() < 0.1:
+                kwargs["has_scheduled_reqs"] = rng.random() < 0.5
+            if rng.random() < 0.05:
+                kwargs["delay_cache_blocks"] = True
+            status = rng.choice((RequestStatus.RUNNING,) * 8 + (RequestStatus.PREEMPTED,))
+            in_flight = rng.choice((0,) * 6 + (1, 5))
+            tokens = [rng.randrange(1, 30_000) for _ in range(n)]
+            results = []
+            for manager, allocate_slots, requests in sides:
+                req, toks = requests[rid], list(tokens)
+                req.status = status
+                req.num_in_flight_tokens = in_flight
+                out = allocate_slots(manager, req, n, **kwargs)
+                results.append(_summary(manager, out))
+                req.num_in_flight_tokens = 0
+                if out is not None:
+                    req.num_computed_tokens += n
+                    while req.num_computed_tokens >= req.num_tokens:
+                        req.append_output_token_ids(toks.pop() if toks else 5)
+                    req.status = RequestStatus.RUNNING
+            assert results[0] == results[1], (op, "step", rid, n, kwargs, status, results)
+            counts["step"] += 1
+            counts["none"] += results[0] is None
+        assert _state(sides[0][0]) == _state(sides[1][0]), (op, counts)
+        assert _mamba_state(sides[0][0]) == _mamba_state(sides[1][0]), (op, counts)
+    after = _core.hybrid_running_step_state()
+    counts["native_steps"] = after["native_steps"] - before["native_steps"]
+    counts["vllm_steps"] = after["vllm_steps"] - before["vllm_steps"]
+    return counts
+
+
+@needs_known_mamba
+@pytest.mark.parametrize("case", [
+    dict(num_blocks=60, events=True),                        # small pool: eviction, refusals
+    dict(num_blocks=600),                                    # long tables, prefix hits
+    dict(num_blocks=600, events=True, retention=None),       # dense retention
+    dict(num_blocks=200, retention=2 * BLOCK_SIZE),          # one state per 2-block segment
+    dict(num_blocks=200, shared_checkpoint=True),            # the shared-prefix junction
+], ids=["60-events", "600", "600-dense-events", "200-interval", "200-shared"])
+def test_mamba_running_step_matches_vllm(case):
+    """Most running steps are idle and answered natively; every other one (a state
+    block retired or allocated, a block cached, a partial tail, a copy-on-write) is
+    vLLM's, and the two managers stay identical in every group."""
+    counts = _run(NUM_OPS // 4, seed=SEED + case["num_blocks"], **case)
+    print(f"\nmamba differential {case}: {counts}")
+    assert counts["native_steps"] > counts["step"] // 4
+    assert counts["vllm_steps"] > 0 and counts["free"] > 0
+    assert counts["none"] > 0 or case["num_blocks"] > 60
+
+
+def test_the_mamba_step_is_armed_only_on_a_known_release(monkeypatch):
+    """install() arms the Mamba groups' part exactly when the installed MambaManager's
+    sources are the bound release's (KNOWN_MAMBA_SOURCES); with another fingerprint
+    recorded, the full + sliding-window step stays armed and a Mamba model's running
+    step is vLLM's."""
+    from kvpool.patches.manager_fast_path import matching_release
+
+    kvpool.install()
+    try:
+        assert _core.hybrid_running_step_state()["mamba"] == _mamba_is_known()
+    finally:
+        kvpool.uninstall()
+    release = matching_release()
+    if release is None or not _installed_release_is_known():
+        return
+    monkeypatch.setitem(hybrid_fast_path.KNOWN_MAMBA_SOURCES, release, "0" * 64)
+    kvpool.install()
+    try:
+        state = _core.hybrid_running_step_state()
+        assert state["enabled"] and not state["mamba"]
+        counts = _run(300, 600, SEED)
+        assert counts["native_steps"] == 0 < counts["vllm_steps"]
+    finally:
+        kvpool.uninstall()
+
+
+@needs_known_mamba
+@pytest.mark.parametrize("target,attr,value", [
+    (None, None, None),   # the control: this step is idle, and native
+    ("mamba", "mamba_cache_mode", "all"),
+    ("mamba", "has_prefill_checkpoint_blocks", 0),
+    ("mamba", "num_speculative_blocks", -1),
+    ("mamba", "cache_hit_alignment_tokens", 0),
+    ("mamba", "_allocated_block_reqs", frozenset()),
+    ("mamba", "_num_retired_blocks", {"a": 2.0}),
+    ("mamba", "last_state_block_idx", {"a": 10**6}),
+    ("mamba", "shared_prefix_checkpoint", 1),
+    ("mamba", "_needs_internal_checkpoint", lambda *a: True),
+], ids=lambda v: repr(v)[:24])
+def test_odd_mamba_values_get_vllms_step(target, attr, value):
+    """A value of another type or range where vLLM's Mamba code reads a mode, a flag, a
+    number, a set or a dict, or a method set on the instance: the step is vLLM's, which
+    returns or raises what it does on vLLM's own managers (the control: native)."""
+    from vllm.v1.request import RequestStatus
+
+    kvpool.install()
+    outcomes = []
+    for allocate_slots in (_vanilla_allocate_slots(), _core.kv_cache_manager_allocate_slots):
+        manager = _manager(200, False, 0, False)
+        req = make_request("a", list(range(70)), max_tokens=100, block_size=BLOCK_SIZE)
+        assert allocate_slots(manager, req, 64) is not None
+        req.status, req.num_computed_tokens = RequestStatus.RUNNING, 64
+        assert allocate_slots(manager, req, 6) is not None
+        req.num_computed_tokens = 70
+        req.append_output_token_ids(7)
+        # (this step retires the prompt's last state block: not idle)
+        assert allocate_slots(manager, req, 1) is manager.empty_kv_cache_blocks
+        req.num_computed_tokens = 71
+        req.append_output_token_ids(8)
+        if target is not None:
+            owner = req if target == "request" else manager.coordinator.single_type_managers[1]
+            setattr(owner, attr, value)
+        before = _core.hybrid_running_step_state()["native_steps"]
+        try:
+            outcome = ("ok", _summary(manager, allocate_slots(manager, req, 1)))
+        except Exception as e:  # noqa: BLE001 - the exception's type is what is compared
+            outcome = ("raised", type(e).__name__)
+        native = target is None and allocate_slots is _core.kv_cache_manager_allocate_slots
+        assert _core.hybrid_running_step_state()["native_steps"] == before + native
+        outcomes.append((outcome, _state(manager), _mamba_state(manager)))
+    assert outcomes[0] == outcomes[1]
