@@ -62,8 +62,9 @@ TARGETS = {
     "replay_serving_gpt_oss_contiguous": 1 / 0.75,
     # serving on Qwen3-Next's KV cache groups (three Mamba groups in "align" mode + full
     # attention; issue 36: <= 0.7x), whose idle running steps are native with the Mamba
-    # groups' part (src/kvpool/mamba_step.pxi). On 2026-12-05: kvpool 1.71x (0.58x),
-    # contiguous 1.69x (0.59x); before it every step ran vLLM's Python managers (0.96-0.99x).
+    # groups' part (src/kvpool/mamba_step.pxi), and the coordinator's cache_blocks that
+    # caches nothing (hybrid_cache.pxi). On 2026-12-05: kvpool 2.14x (0.47x), contiguous
+    # 2.08x (0.48x); the idle step alone 1.71x / 1.69x; before it 0.96-0.99x.
     "replay_serving_qwen3_next": 1 / 0.7,
     "replay_serving_qwen3_next_contiguous": 1 / 0.7,
 }

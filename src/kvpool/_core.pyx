@@ -108,6 +108,7 @@ include "block_lists.pxi"         # list / reversed(list) read in place
 include "manager.pxi"             # KVCacheManager.allocate_slots for a running request (issue 17)
 include "hybrid_step.pxi"         # ... and its idle step under HybridKVCacheCoordinator
 include "mamba_step.pxi"          # ... a Mamba group's part of that idle step
+include "hybrid_cache.pxi"        # ... and the hybrid coordinator's cache_blocks that caches nothing
 include "lookup.pxi"              # KVCacheManager.get_computed_blocks, one full-attention group
 include "alloc.pxi"               # pool_get_new_blocks (vLLM's order and the contiguous policy)
 include "free.pxi"                # pool_free_blocks and the shared free loop

@@ -30,6 +30,7 @@ cdef class _HybridStep:
     cdef unsigned int tags[7]
     cdef int n_classes
     cdef public Py_ssize_t native_steps, vllm_steps
+    cdef public Py_ssize_t native_cache_calls, vllm_cache_calls
 
     def __init__(self):
         self.enabled = False
@@ -39,6 +40,7 @@ cdef class _HybridStep:
         self.step_globals = ()
         self.tags[0] = 0
         self.native_steps = self.vllm_steps = 0
+        self.native_cache_calls = self.vllm_cache_calls = 0
 
     cdef bint classes_unchanged(self):
         """The hybrid coordinator's, the managers' and their specs' classes (Mamba's when
@@ -116,15 +118,20 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
     _fill_checks(_hybrid.step_checks, _hybrid.step_globals)
     _hybrid.tags[0] = 0
     _hybrid.native_steps = _hybrid.vllm_steps = 0
+    _hybrid.native_cache_calls = _hybrid.vllm_cache_calls = 0
     _hybrid.enabled = True
 
 
 def hybrid_running_step_state():
-    """``{"enabled", "mamba", "native_steps", "vllm_steps"}``: whether the hybrid step
-    is armed (and for Mamba groups), the running steps it answered, and those of a hybrid
-    coordinator it handed to vLLM's code (tests, ``kvpool info``)."""
+    """``{"enabled", "mamba", "native_steps", "vllm_steps", "native_cache_calls",
+    "vllm_cache_calls"}``: whether the hybrid step is armed (and for Mamba groups), the
+    running steps it answered and those of a hybrid coordinator it handed to vLLM's code,
+    the coordinator's ``cache_blocks`` calls it found caching nothing and those it handed
+    on (tests, ``kvpool info``)."""
     return {"enabled": _hybrid.enabled, "mamba": _hybrid.enabled and _hybrid.mamba_cls is not None,
-            "native_steps": _hybrid.native_steps, "vllm_steps": _hybrid.vllm_steps}
+            "native_steps": _hybrid.native_steps, "vllm_steps": _hybrid.vllm_steps,
+            "native_cache_calls": _hybrid.native_cache_calls,
+            "vllm_cache_calls": _hybrid.vllm_cache_calls}
 
 
 cdef object _hybrid_running_step(_AllocateSlotsFastPath fp, manager, request, _Step* s,

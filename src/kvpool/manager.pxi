@@ -739,10 +739,15 @@ def kv_cache_coordinator_cache_blocks(self, request, num_computed_tokens, *args,
     group, the blocks of ``request`` that ``num_computed_tokens`` (tokens, including
     those already cached) fill are hashed and inserted into the prefix cache natively
     (see ``_cache_blocks_native``); every other call (another coordinator or manager
-    type, a patched method, events on, an argument of another type) is vLLM's. Returns
-    None, raises what vLLM's raises."""
+    type, a patched method, events on, an argument of another type) is vLLM's. Also
+    bound as ``HybridKVCacheCoordinator.cache_blocks`` when the hybrid step is armed: a
+    call that caches nothing in any group returns at once (:func:`_hybrid_cache_blocks`).
+    Returns None, raises what vLLM's raises."""
     cdef _AllocateSlotsFastPath fp = _fast_path
     cdef long long n
+    if (fp.enabled and _hybrid.enabled and type(self) is _hybrid.coordinator_cls
+            and not args and not kwargs and _nonneg(num_computed_tokens, &n)):
+        return _hybrid_cache_blocks(fp, self, request, num_computed_tokens, n)
     if fp.enabled and fp.native_cache and not args and not kwargs \
             and _nonneg(num_computed_tokens, &n):
         mgr = _eligible(fp, fp.cache_entry, None, self)

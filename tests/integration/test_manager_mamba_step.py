@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import random
+import types
 
 import pytest
 
@@ -62,13 +63,21 @@ needs_known_mamba = pytest.mark.skipif(
 
 
 def _manager(num_blocks: int, events: bool, retention: int | None, shared_checkpoint: bool,
-             num_mamba: int = 2):
+             num_mamba: int = 2, sliding: bool = False):
     import torch
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
 
-    groups = [KVCacheGroupSpec(["layer.full"], FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1,
-                                                                 head_size=1, dtype=torch.float32))]
+    common = dict(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["layer.full"], FullAttentionSpec(**common))]
+    if sliding:
+        groups.append(KVCacheGroupSpec(["layer.swa"], SlidingWindowSpec(**common, sliding_window=3 * BLOCK_SIZE)))
     for i in range(num_mamba):
         spec = MambaSpec(block_size=BLOCK_SIZE, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
         groups.append(KVCacheGroupSpec([f"layer.mamba{i}"], spec))
@@ -112,19 +121,24 @@ def _chunk(rng: random.Random, prefill_left: int) -> int:
 
 
 def _run(num_ops: int, num_blocks: int, seed: int, *, events: bool = False, retention: int | None = 0,
-         shared_checkpoint: bool = False) -> dict:
+         shared_checkpoint: bool = False, sliding: bool = False) -> dict:
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.request import RequestStatus
 
     rng = random.Random(seed)
     kvpool.install()
     assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
-    sides = [(_manager(num_blocks, events, retention, shared_checkpoint), _vanilla_allocate_slots(), {}),
-             (_manager(num_blocks, events, retention, shared_checkpoint), KVCacheManager.allocate_slots, {})]
+    made = [_manager(num_blocks, events, retention, shared_checkpoint, sliding=sliding) for _ in range(2)]
+    # vLLM's side is vLLM's Python throughout: its coordinator's cache_blocks (which kvpool
+    # binds on HybridKVCacheCoordinator) is vLLM's function, set on the instance
+    vanilla = made[0].coordinator
+    vanilla.cache_blocks = types.MethodType(KVCacheCoordinator.cache_blocks, vanilla)
+    sides = [(made[0], _vanilla_allocate_slots(), {}), (made[1], KVCacheManager.allocate_slots, {})]
     before = _core.hybrid_running_step_state()
     live: list[str] = []
     next_id = 0
-    counts = {"add": 0, "step": 0, "none": 0, "free": 0}
+    counts = {"add": 0, "step": 0, "none": 0, "free": 0, "cache": 0}
     for op in range(num_ops):
         if op % 8 == 0:   # an engine step starts (the scheduler's call; Mamba defers same-step hits)
             for manager, _, _ in sides:
@@ -148,8 +162,14 @@ def _run(num_ops: int, num_blocks: int, seed: int, *, events: bool = False, rete
             if results[0][1] is not None:
                 live.append(rid)
             counts["add"] += 1
-        elif roll < 0.09 or sides[0][2][live[0]].num_tokens > 1200:
-            rid = live.pop(rng.randrange(len(live)) if roll < 0.09 else 0)
+        elif roll < 0.3:   # Scheduler.update_from_output's publishing call
+            rid, lag = rng.choice(live), rng.choice((0, 0, 0, 1, 17))
+            for manager, _, requests in sides:   # (as update_from_output calls it for a Mamba model)
+                req = requests[rid]
+                manager.cache_blocks(req, max(0, req.num_computed_tokens - lag))
+            counts["cache"] += 1
+        elif roll < 0.34 or sides[0][2][live[0]].num_tokens > 1200:
+            rid = live.pop(rng.randrange(len(live)) if roll < 0.34 else 0)
             for manager, _, requests in sides:
                 manager.free(requests.pop(rid))
             counts["free"] += 1
@@ -190,6 +210,8 @@ def _run(num_ops: int, num_blocks: int, seed: int, *, events: bool = False, rete
     after = _core.hybrid_running_step_state()
     counts["native_steps"] = after["native_steps"] - before["native_steps"]
     counts["vllm_steps"] = after["vllm_steps"] - before["vllm_steps"]
+    counts["native_cache_calls"] = after["native_cache_calls"] - before["native_cache_calls"]
+    counts["vllm_cache_calls"] = after["vllm_cache_calls"] - before["vllm_cache_calls"]
     return counts
 
 
@@ -200,7 +222,8 @@ def _run(num_ops: int, num_blocks: int, seed: int, *, events: bool = False, rete
     dict(num_blocks=600, events=True, retention=None),       # dense retention
     dict(num_blocks=200, retention=2 * BLOCK_SIZE),          # one state per 2-block segment
     dict(num_blocks=200, shared_checkpoint=True),            # the shared-prefix junction
-], ids=["60-events", "600", "600-dense-events", "200-interval", "200-shared"])
+    dict(num_blocks=200, sliding=True, events=True),         # + a sliding-window group
+], ids=["60-events", "600", "600-dense-events", "200-interval", "200-shared", "200-sliding-events"])
 def test_mamba_running_step_matches_vllm(case):
     """Most running steps are idle and answered natively; every other one (a state
     block retired or allocated, a block cached, a partial tail, a copy-on-write) is
@@ -209,6 +232,7 @@ def test_mamba_running_step_matches_vllm(case):
     print(f"\nmamba differential {case}: {counts}")
     assert counts["native_steps"] > counts["step"] // 4
     assert counts["vllm_steps"] > 0 and counts["free"] > 0
+    assert counts["native_cache_calls"] > counts["cache"] // 4 and counts["vllm_cache_calls"] > 0
     assert counts["none"] > 0 or case["num_blocks"] > 60
 
 
@@ -283,3 +307,40 @@ def test_odd_mamba_values_get_vllms_step(target, attr, value):
         assert _core.hybrid_running_step_state()["native_steps"] == before + native
         outcomes.append((outcome, _state(manager), _mamba_state(manager)))
     assert outcomes[0] == outcomes[1]
+
+
+@needs_known_mamba
+@pytest.mark.parametrize("where", ["class", "instance", "none"])
+def test_a_patched_mamba_method_gets_vllms_cache_blocks(monkeypatch, where):
+    """``KVCacheManager.cache_blocks`` as the scheduler calls it after a step: with a
+    Mamba method the test reads patched on the class or set on an instance, vLLM's
+    coordinator code runs and calls it; unpatched, the call that caches nothing returns
+    natively."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+    from vllm.v1.request import RequestStatus
+
+    kvpool.install()
+    manager = _manager(200, False, 0, False)
+    req = make_request("a", list(range(70)), max_tokens=100, block_size=BLOCK_SIZE)
+    assert manager.allocate_slots(req, 64) is not None
+    req.status, req.num_computed_tokens = RequestStatus.RUNNING, 64
+    assert manager.allocate_slots(req, 6) is not None
+    req.num_computed_tokens = 70
+    req.append_output_token_ids(7)
+    seen = []
+    original = MambaManager._cache_partial_tail_block
+
+    def counting(self, *args, **kwargs):
+        seen.append(args)
+        return original(self, *args, **kwargs)
+
+    mamba = manager.coordinator.single_type_managers[1]
+    if where == "class":
+        monkeypatch.setattr(MambaManager, "_cache_partial_tail_block", counting)
+    elif where == "instance":
+        mamba._cache_partial_tail_block = counting.__get__(mamba)
+    state = _core.hybrid_running_step_state()
+    manager.cache_blocks(req, 70)
+    after = _core.hybrid_running_step_state()
+    assert (after["native_cache_calls"] - state["native_cache_calls"]) == (where == "none")
+    assert bool(seen) == (where != "none")

@@ -224,13 +224,16 @@ def _step_globals(classes: dict[str, Any], mirrored=HYBRID_MIRRORED) -> tuple[tu
     return tuple(found.values())
 
 
-def bind(release: str) -> bool:
+def bind(release: str, patcher=None) -> bool:
     """Arm the hybrid step of the native allocate_slots (bound by
     ``manager_fast_path.apply`` for ``release``) when the installed hybrid sources are
     that release's (:data:`KNOWN_HYBRID_SOURCES`) and none is wrapped by other code;
-    True when armed, else False with one info line. ``uninstall()`` unbinds the native
-    allocate_slots that runs it; the next install disarms it first
-    (``_core.disable_allocate_slots_fast_path``)."""
+    True when armed, else False with one info line. With ``patcher`` (install's), also
+    binds ``_core.kv_cache_coordinator_cache_blocks`` as
+    ``HybridKVCacheCoordinator.cache_blocks`` while that is vLLM's
+    ``KVCacheCoordinator.cache_blocks``: a call that caches nothing in any group returns
+    at once (``src/kvpool/hybrid_cache.pxi``). ``uninstall()`` unbinds both; the next
+    install disarms the step first (``_core.disable_allocate_slots_fast_path``)."""
     from kvpool import _core
     from kvpool.patches.manager_fast_path import _bound_function, _foreign_wrapper
 
@@ -251,6 +254,12 @@ def bind(release: str) -> bool:
                     "other code", ", ".join(foreign))
         return False
     mirrored = HYBRID_MIRRORED + (MAMBA_MIRRORED if _mamba_known(release, classes) else ())
+    coordinator_cls = classes["HybridKVCacheCoordinator"]
+    vanilla_cache = classes["KVCacheCoordinator"].cache_blocks
+    if patcher is not None and coordinator_cls.cache_blocks is vanilla_cache:
+        fast_cache = _core.kv_cache_coordinator_cache_blocks
+        fast_cache.__wrapped__ = fast_cache.__kvpool_wrapped__ = vanilla_cache
+        patcher.set_attr(coordinator_cls, "cache_blocks", fast_cache)
     # (what the classes resolve to now: under the contiguous policy its manager hooks'
     # wrappers, which an idle step has nothing to do for; the native step tells the
     # policy the request's length as the hook on allocate_slots does)

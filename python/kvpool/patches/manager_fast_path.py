@@ -492,7 +492,7 @@ def apply(patcher) -> None:
     patcher.set_attr(manager_cls, "allocate_slots", fast)
     if native_cache:
         _bind_get_computed_blocks(patcher, classes, traits)
-    hybrid_fast_path.bind(release)
+    hybrid_fast_path.bind(release, patcher)
 
 
 __all__ = ["KNOWN_SOURCES", "LAYOUT", "MIRRORED", "apply", "matching_release", "mirrored_source", "source_fingerprint"]

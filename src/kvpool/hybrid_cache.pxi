@@ -1,0 +1,122 @@
+# HybridKVCacheCoordinator.cache_blocks when it caches nothing (included by _core.pyx after
+# hybrid_step.pxi and mamba_step.pxi; kv_cache_coordinator_cache_blocks, bound as the
+# hybrid coordinator's cache_blocks by kvpool.patches.hybrid_fast_path, calls it).
+#
+# With Mamba layers, prefix caching on and synchronous scheduling, vLLM 0.34.0's
+# Scheduler.update_from_output calls KVCacheManager.cache_blocks for every running
+# request after every step, to publish finished states; on a decode step nearly all of
+# those calls cache nothing in any group, after about a dozen Python calls per group.
+# _hybrid_cache_blocks recognises them from what vLLM's code reads, as the idle step's
+# caching test does; every other call is vLLM's.
+
+
+cdef object _hybrid_cache_blocks(_AllocateSlotsFastPath fp, coordinator, request,
+                                 num_computed_tokens, long long n):
+    """vLLM 0.34.0's ``KVCacheCoordinator.cache_blocks(request, n)`` on
+    ``HybridKVCacheCoordinator``: None at once when no group would cache a block or a
+    partial tail (:func:`_hybrid_caches_nothing`), else vLLM's function. An attribute
+    missing where the test reads one leaves the call to vLLM's code, which reads it, or
+    not, as it does."""
+    cdef _HybridStep hp = _hybrid
+    try:
+        nothing = _hybrid_caches_nothing(hp, fp, coordinator, request, n)
+    except AttributeError:
+        nothing = False
+    if nothing:
+        hp.native_cache_calls += 1
+        return None
+    hp.vllm_cache_calls += 1
+    return fp.vanilla_cache_blocks(coordinator, request, num_computed_tokens)
+
+
+cdef bint _hybrid_caches_nothing(_HybridStep hp, _AllocateSlotsFastPath fp, coordinator,
+                                 request, long long n) except -1:
+    """The classes and instances are vLLM's as the idle step requires
+    (:func:`_hybrid_step_idle`'s first checks), and every group with ``enable_caching``
+    caches nothing for ``get_num_cacheable_tokens(n)`` tokens
+    (:func:`_group_caches_nothing`); False otherwise."""
+    cdef long long sbs, n_cacheable, computed
+    cdef Py_ssize_t i, n_hashes
+    if type(request) is not fp.request_cls or not hp.classes_unchanged():
+        return False
+    managers = coordinator.single_type_managers
+    if (not _hybrid_managers_served(hp, managers)
+            or not _not_overridden(coordinator, hp.coordinator_names)
+            or not _hybrid_coordinator_plain(coordinator, False)):
+        return False
+    request_id = request.request_id
+    block_hashes = request.block_hashes
+    # (replay_boundaries reads num_prompt_tokens; a Mamba group's tail, num_computed_tokens)
+    if (type(request_id) is not str or type(block_hashes) is not list
+            or type(request.num_prompt_tokens) is not int
+            or not _nonneg(request.num_computed_tokens, &computed)):
+        return False
+    n_hashes = len(<list>block_hashes)
+    n_cacheable = n
+    if coordinator.enable_partial_hash_hits is False:   # (a bool: _hybrid_coordinator_plain)
+        _nonneg(coordinator.scheduler_block_size, &sbs)
+        n_cacheable = n // sbs * sbs
+    for i in range(len(<tuple>managers)):
+        if not _group_caches_nothing(hp, (<tuple>managers)[i], request, <str>request_id,
+                                     n_cacheable, n_hashes, computed):
+            return False
+    return True
+
+
+cdef bint _group_caches_nothing(_HybridStep hp, mgr, request, str request_id,
+                                long long n_cacheable, Py_ssize_t n_hashes,
+                                long long computed) except -1:
+    """One group's ``cache_blocks(request, n_cacheable)`` caches nothing in vLLM 0.34.0's
+    code: caching off for it (the coordinator skips it), or its full blocks up to
+    ``min(n_cacheable, hashed tokens)`` cached (``num_cached_block``, 0 when absent, as
+    vLLM reads it), with no partial prompt tail (a full-attention group's block the hash
+    block; a Mamba group in align mode with no checkpoint this step and
+    :func:`_mamba_tail_cached`). False: vLLM's code runs the call."""
+    cdef long long bs, hash_bs, n_cached = 0, full
+    cdef object t = type(mgr)
+    enable = mgr.enable_caching
+    if enable is False:
+        return True
+    if enable is not True or mgr.use_eagle is not False:
+        return False
+    if t is hp.full_attention_cls:
+        spec_cls = hp.full_spec_cls
+    elif t is hp.sliding_window_cls:
+        spec_cls = hp.sliding_spec_cls
+    else:
+        spec_cls = hp.mamba_spec_cls   # (_hybrid_managers_served: MambaManager, armed)
+        if not _not_overridden(mgr, hp.mamba_names):
+            return False
+    if (type(mgr.kv_cache_spec) is not spec_cls   # (its prefix_cacheable: vLLM's, checked)
+            or not _not_overridden(mgr, hp.single_type_names)
+            or not _nonneg(mgr.block_size, &bs) or bs == 0
+            or not _nonneg(mgr.block_pool.hash_block_size, &hash_bs) or hash_bs == 0
+            or (n_hashes > 0 and hash_bs > _NATIVE_INT_LIMIT // n_hashes)):
+        return False
+    num_cached_block = mgr.num_cached_block
+    if type(num_cached_block) is not dict:
+        return False
+    cached = (<dict>num_cached_block).get(request_id)
+    if cached is not None and not _nonneg(cached, &n_cached):
+        return False
+    full = n_hashes * hash_bs
+    if n_cacheable < full:
+        full = n_cacheable
+    if n_cached < full // bs:
+        return False
+    if t is hp.full_attention_cls:
+        return bs == hash_bs
+    if t is hp.sliding_window_cls:
+        return True
+    mode = mgr.mamba_cache_mode
+    checkpoints = mgr._checkpoints
+    req_to_blocks = mgr.req_to_blocks
+    if (type(mode) is not str or mode != "align" or type(checkpoints) is not dict
+            or request_id in <dict>checkpoints
+            or not (type(req_to_blocks) is dict or type(req_to_blocks) is _defaultdict)):
+        return False
+    blocks = (<dict>req_to_blocks).get(request_id)
+    if type(blocks) is not list:
+        return False
+    return _mamba_tail_cached(mgr, request, request_id, <list>blocks, n_cacheable, bs, hash_bs,
+                              computed)
