@@ -62,6 +62,11 @@ def test_replay_default_outputs_are_the_json_and_a_plot_next_to_it(tmp_path):
     assert json_path == Path(replay_cli.DEFAULT_OUT_DIR) / "serving.json" and plot_path == json_path.with_suffix(".png")
     args = replay_cli.build_parser().parse_args(["--no-plot"])
     assert replay_cli.output_paths(args, replay_cli.build_parser())[1] is None
+    # a model's run keeps its own file beside the hand-built group's
+    model = ["--model", "Qwen/Qwen3-Next-80B-A3B-Instruct"]
+    args = replay_cli.build_parser().parse_args(["--workload", "serving", *model])
+    assert replay_cli.output_paths(args, replay_cli.build_parser())[0] == \
+        Path(replay_cli.DEFAULT_OUT_DIR) / "serving-Qwen3-Next-80B-A3B-Instruct.json"
 
 
 SMALL = ["--num-blocks", "800", "--block-size", "16", "--rounds", "2", "--prompt-len", "2000,3000",

@@ -234,11 +234,15 @@ def output_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> t
     """The report's JSON path and the plot's (None: ``--no-plot``, or matplotlib is
     missing and no ``--plot`` was asked for), checked before any work starts.
 
-    The defaults: ``replay-out/<workload or trace name>.json``, the plot next to it.
+    The defaults: ``replay-out/<workload or trace name>.json`` (with ``--model M``,
+    ``<workload>-<M's last path part>.json``, so model runs keep their own files), the
+    plot next to it.
     """
     if args.no_plot and args.plot:
         parser.error("--plot and --no-plot exclude each other")
     name = Path(args.trace).stem if args.trace else args.workload
+    if getattr(args, "model", None):
+        name = f"{name}-{Path(args.model).name}"
     json_path = args.json if args.json is not None else Path(DEFAULT_OUT_DIR) / f"{name}.json"
     try:
         cliargs.check_writable(json_path)
