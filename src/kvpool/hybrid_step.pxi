@@ -76,6 +76,16 @@ cdef class _HybridStep:
 
 from collections import defaultdict as _defaultdict
 
+
+cdef inline object _list_item(list items, long long index):
+    """``items[index]`` for ``0 <= index < len(items)``, else None. The bound is read at
+    the access: a dict look-up or an attribute read before it may have run Python code
+    (a key's ``__eq__``) that shortened the list, and the module is built without
+    bounds checks."""
+    if index < 0 or index >= len(items):
+        return None
+    return items[index]
+
 cdef _HybridStep _hybrid = _HybridStep()
 cdef object _HYBRID = object()   # _eligible: the coordinator is the hybrid one (armed)
 
@@ -323,9 +333,10 @@ cdef bint _hybrid_group_idle(_HybridStep hp, mgr, str request_id, long long need
         skipped = processed - window + 1 - extra
         if skipped > 0:
             n_skip = skipped // bs
+            null_block = mgr._null_block   # (before the list is read: it may run code)
             if n_skip > len(<list>blocks):
                 n_skip = len(<list>blocks)
-            if n_skip > 0 and (<list>blocks)[n_skip - 1] is not mgr._null_block:
+            if n_skip > 0 and _list_item(<list>blocks, n_skip - 1) is not null_block:
                 return False
     if (need + bs - 1) // bs > len(<list>blocks):
         return False

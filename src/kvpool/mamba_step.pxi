@@ -41,22 +41,25 @@ cdef bint _mamba_state_kept(mgr, dict retired, dict last_state, str request_id, 
     (``last_state_block_idx``) is still needed or already the null block (by identity;
     one merely equal to it is vLLM's)."""
     cdef long long n_skip, n_retired = 0, last_idx
-    cdef Py_ssize_t n_blocks = len(blocks)
     if processed - 1 > 0:
-        n_skip = (processed - 1) // bs
-        if n_skip > n_blocks:
-            n_skip = n_blocks
         value = retired.get(request_id)
         if value is not None and not _nonneg(value, &n_retired):
             return False
+        n_skip = (processed - 1) // bs
+        if n_skip > len(blocks):   # (read after the look-up, which may run a key's __eq__)
+            n_skip = len(blocks)
         if n_skip > n_retired:
             return False
     value = last_state.get(request_id)
     if value is None:
         return True
-    if not _nonneg(value, &last_idx) or last_idx >= n_blocks:
+    if not _nonneg(value, &last_idx):
         return False
-    return last_idx >= (processed + bs - 1) // bs - 1 or blocks[last_idx] is mgr._null_block
+    if last_idx >= (processed + bs - 1) // bs - 1:
+        return last_idx < len(blocks)   # (vLLM reads no block; one past the table is vLLM's)
+    null_block = mgr._null_block
+    block = _list_item(blocks, last_idx)
+    return block is not None and block is null_block
 
 
 cdef bint _mamba_tail_cached(mgr, request, str request_id, list blocks, long long n_tokens,
@@ -67,7 +70,7 @@ cdef bint _mamba_tail_cached(mgr, request, str request_id, list blocks, long lon
     ``shared_prefix_checkpoint``, the request's shared-prefix boundary inside the prompt
     chunk being computed), or its block is past the table, the null block or already
     keyed at ``n_tokens``."""
-    cdef long long lookahead, boundary, prompt, shared_at
+    cdef long long lookahead, boundary, prompt
     cdef Py_ssize_t block_idx
     if n_tokens <= 0 or n_tokens % hash_bs != 0:
         return True
@@ -79,20 +82,28 @@ cdef bint _mamba_tail_cached(mgr, request, str request_id, list blocks, long lon
         return False
     boundary = _mamba_checkpoint_position(prompt, hash_bs, drop is True, lookahead)
     if n_tokens != boundary:
-        if shared is False or computed >= n_tokens or n_tokens > prompt:
+        if shared is False:
             return True
+        # vLLM: shared and n_tokens == request.shared_prefix_boundary and computed < n_tokens
+        # <= prompt, in that order (an == of another type than int or None may run code)
         spb = request.shared_prefix_boundary
-        if spb is None or (_nonneg(spb, &shared_at) and shared_at != n_tokens):
+        if spb is None:
             return True
-        return False
+        if type(spb) is not int:
+            return False
+        return spb != n_tokens or computed >= n_tokens or n_tokens > prompt
     block_idx = (n_tokens + bs - 1) // bs - 1
     if block_idx >= len(blocks):
         return True
     source = blocks[block_idx]
     if type(source) is not KVCacheBlock:
         return False
-    if _is_null(<KVCacheBlock>source):
+    # (vLLM tests is_null's truth; a value other than a bool is vLLM's to test)
+    is_null = (<KVCacheBlock>source)._is_null_o
+    if is_null == kvpool_true():
         return True
+    if is_null != kvpool_false():
+        return False
     cached_at = (<KVCacheBlock>source)._block_hash_num_tokens
     return type(cached_at) is int and cached_at == n_tokens
 

@@ -88,6 +88,10 @@ def _manager(num_blocks: int, events: bool, retention: int | None, shared_checkp
                              enable_mamba_shared_prefix_checkpoint=shared_checkpoint)
     for single in manager.coordinator.single_type_managers:
         single._record_new_block_ids = True
+        if shared_checkpoint and type(single).__name__ == "MambaManager":
+            # vLLM sets it only for an EAGLE group with partial hash hits, whose steps are
+            # vLLM's anyway; forced here so that the native test of its branch is exercised
+            single.shared_prefix_checkpoint = True
     return manager
 
 
@@ -147,9 +151,11 @@ def _run(num_ops: int, num_blocks: int, seed: int, *, events: bool = False, rete
         if len(live) < 3 or (roll < 0.05 and len(live) < 10):
             rid, next_id = f"r{next_id}", next_id + 1
             prompt = list(rng.choice(PREFIXES)) + [rng.randrange(1, 30_000) for _ in range(rng.randrange(1, 150))]
+            junction = rng.choice((0, BLOCK_SIZE * rng.randrange(1, len(prompt) // BLOCK_SIZE + 2)))
             results = []
             for manager, allocate_slots, requests in sides:
                 req = make_request(rid, prompt, max_tokens=10_000, block_size=BLOCK_SIZE)
+                req.shared_prefix_boundary = junction   # (vLLM's scheduler sets it on a detected junction)
                 blocks, hit = manager.get_computed_blocks(req)[:2]
                 n = _chunk(random.Random(op), len(prompt) - hit)
                 out = allocate_slots(manager, req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks)
@@ -221,7 +227,7 @@ def _run(num_ops: int, num_blocks: int, seed: int, *, events: bool = False, rete
     dict(num_blocks=600),                                    # long tables, prefix hits
     dict(num_blocks=600, events=True, retention=None),       # dense retention
     dict(num_blocks=200, retention=2 * BLOCK_SIZE),          # one state per 2-block segment
-    dict(num_blocks=200, shared_checkpoint=True),            # the shared-prefix junction
+    dict(num_blocks=200, shared_checkpoint=True),            # the shared-prefix junction (forced on)
     dict(num_blocks=200, sliding=True, events=True),         # + a sliding-window group
 ], ids=["60-events", "600", "600-dense-events", "200-interval", "200-shared", "200-sliding-events"])
 def test_mamba_running_step_matches_vllm(case):
@@ -274,6 +280,7 @@ def test_the_mamba_step_is_armed_only_on_a_known_release(monkeypatch):
     ("mamba", "last_state_block_idx", {"a": 10**6}),
     ("mamba", "shared_prefix_checkpoint", 1),
     ("mamba", "_needs_internal_checkpoint", lambda *a: True),
+    ("null block", "is_null", 1),   # vLLM tests its truth; the step reads it at the prompt boundary
 ], ids=lambda v: repr(v)[:24])
 def test_odd_mamba_values_get_vllms_step(target, attr, value):
     """A value of another type or range where vLLM's Mamba code reads a mode, a flag, a
@@ -296,7 +303,8 @@ def test_odd_mamba_values_get_vllms_step(target, attr, value):
         req.num_computed_tokens = 71
         req.append_output_token_ids(8)
         if target is not None:
-            owner = req if target == "request" else manager.coordinator.single_type_managers[1]
+            owner = {"request": req, "null block": manager.block_pool.null_block}.get(
+                target, manager.coordinator.single_type_managers[1])
             setattr(owner, attr, value)
         before = _core.hybrid_running_step_state()["native_steps"]
         try:
@@ -344,3 +352,102 @@ def test_a_patched_mamba_method_gets_vllms_cache_blocks(monkeypatch, where):
     after = _core.hybrid_running_step_state()
     assert (after["native_cache_calls"] - state["native_cache_calls"]) == (where == "none")
     assert bool(seen) == (where != "none")
+
+
+class _RaisesOnEq:
+    def __eq__(self, other):
+        raise RuntimeError("compared")
+
+    __ne__ = __eq__
+    __hash__ = object.__hash__
+
+
+class _HostileKey:
+    """A dict key that collides with ``name`` and clears ``victim`` the first time it is
+    compared (a dict look-up of ``name`` runs its ``__eq__``)."""
+
+    def __init__(self, name, victim: list):
+        self.name, self.victim, self.armed = name, victim, True
+
+    def __hash__(self):
+        return hash(self.name)
+
+    def __eq__(self, other):
+        if self.armed:
+            self.armed = False
+            self.victim.clear()
+        return False
+
+
+def _decoding_pair():
+    """vLLM's and the native allocate_slots, each with its manager and a request decoding
+    past a 70-token prompt (the next 1-token step idle in every group)."""
+    from vllm.v1.request import RequestStatus
+
+    kvpool.install()
+    for allocate_slots in (_vanilla_allocate_slots(), _core.kv_cache_manager_allocate_slots):
+        manager = _manager(200, False, 0, False)
+        req = make_request("a", list(range(70)), max_tokens=100, block_size=BLOCK_SIZE)
+        allocate_slots(manager, req, 64)
+        req.status, req.num_computed_tokens = RequestStatus.RUNNING, 64
+        allocate_slots(manager, req, 6)
+        req.num_computed_tokens = 70
+        req.append_output_token_ids(7)
+        allocate_slots(manager, req, 1)
+        req.num_computed_tokens = 71
+        req.append_output_token_ids(8)
+        yield allocate_slots, manager, req
+
+
+def _outcome(fn):
+    try:
+        return ("ok", fn())
+    except Exception as e:  # noqa: BLE001 - the exception's type is what is compared
+        return ("raised", type(e).__name__)
+
+
+@needs_known_mamba
+def test_a_shared_prefix_boundary_is_compared_as_vllm_compares_it():
+    """With ``shared_prefix_checkpoint`` on, vLLM compares the cacheable tokens with
+    ``request.shared_prefix_boundary`` before it looks at the request's range: a boundary
+    whose ``==`` raises raises in ``cache_blocks`` on both sides, wherever the cacheable
+    tokens are not the prompt's boundary (64 here: 48, 80), and the step (at it) is the
+    same on both sides."""
+    outcomes = []
+    for allocate_slots, manager, req in _decoding_pair():
+        for single in manager.coordinator.single_type_managers[1:]:
+            single.shared_prefix_checkpoint = True
+        req.shared_prefix_boundary = _RaisesOnEq()
+        outcomes.append((_outcome(lambda: _summary(manager, allocate_slots(manager, req, 1))),
+                         _outcome(lambda: manager.cache_blocks(req, 48)),
+                         _outcome(lambda: manager.cache_blocks(req, 80)),
+                         _state(manager), _mamba_state(manager)))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][1] == outcomes[0][2] == ("raised", "RuntimeError")
+
+
+@needs_known_mamba
+@pytest.mark.parametrize("where", ["_num_retired_blocks", "last_state_block_idx", "instance dict"])
+def test_code_run_by_a_look_up_does_not_crash_the_native_read(where):
+    """A dict key whose ``__eq__`` clears the request's Mamba table during a look-up the
+    native step makes (in the request's bookkeeping, or in the manager's ``__dict__``
+    beside ``_null_block``): the table is read with its bound checked at the access, so
+    the call returns or raises a Python exception (vLLM's outcome where vLLM makes the
+    same look-up first), never reads past the list."""
+    outcomes = []
+    for allocate_slots, manager, req in _decoding_pair():
+        mamba = manager.coordinator.single_type_managers[1]
+        blocks = mamba.req_to_blocks["a"]
+        mamba.last_state_block_idx["a"] = 0   # block 0 is the null block: still idle
+        if where == "instance dict":
+            null_block = mamba.__dict__.pop("_null_block")
+            mamba.__dict__[_HostileKey("_null_block", blocks)] = None
+            mamba.__dict__["_null_block"] = null_block
+        else:
+            hostile = {_HostileKey("a", blocks): 99}
+            hostile["a"] = getattr(mamba, where)["a"]
+            setattr(mamba, where, hostile)
+        outcomes.append(_outcome(lambda: _summary(manager, allocate_slots(manager, req, 1))))
+    if where != "instance dict":   # (vLLM reads _null_block after the block: its clear comes too late)
+        assert outcomes[0] == outcomes[1]
+    assert outcomes[1][0] in ("ok", "raised")
