@@ -35,7 +35,7 @@ import kvpool
 from kvpool import _core
 from kvpool.patches import hybrid_fast_path
 from tests.integration.test_manager_fast_path import _summary, _vanilla_allocate_slots
-from tests.integration.test_manager_hybrid_step import _installed_release_is_known, _state
+from tests.integration.test_manager_hybrid_step import _installed_release_is_known, _NeRaises, _outcome, _state
 from tests.support.scheduler import make_request
 
 # Native code reading vLLM's objects: also run under ASan/UBSan and the Py_DEBUG interpreter
@@ -286,31 +286,14 @@ def test_odd_mamba_values_get_vllms_step(target, attr, value):
     """A value of another type or range where vLLM's Mamba code reads a mode, a flag, a
     number, a set or a dict, or a method set on the instance: the step is vLLM's, which
     returns or raises what it does on vLLM's own managers (the control: native)."""
-    from vllm.v1.request import RequestStatus
-
-    kvpool.install()
     outcomes = []
-    for allocate_slots in (_vanilla_allocate_slots(), _core.kv_cache_manager_allocate_slots):
-        manager = _manager(200, False, 0, False)
-        req = make_request("a", list(range(70)), max_tokens=100, block_size=BLOCK_SIZE)
-        assert allocate_slots(manager, req, 64) is not None
-        req.status, req.num_computed_tokens = RequestStatus.RUNNING, 64
-        assert allocate_slots(manager, req, 6) is not None
-        req.num_computed_tokens = 70
-        req.append_output_token_ids(7)
-        # (this step retires the prompt's last state block: not idle)
-        assert allocate_slots(manager, req, 1) is manager.empty_kv_cache_blocks
-        req.num_computed_tokens = 71
-        req.append_output_token_ids(8)
+    for allocate_slots, manager, req in _decoding_pair():
         if target is not None:
             owner = {"request": req, "null block": manager.block_pool.null_block}.get(
                 target, manager.coordinator.single_type_managers[1])
             setattr(owner, attr, value)
         before = _core.hybrid_running_step_state()["native_steps"]
-        try:
-            outcome = ("ok", _summary(manager, allocate_slots(manager, req, 1)))
-        except Exception as e:  # noqa: BLE001 - the exception's type is what is compared
-            outcome = ("raised", type(e).__name__)
+        outcome = _outcome(lambda: _summary(manager, allocate_slots(manager, req, 1)))
         native = target is None and allocate_slots is _core.kv_cache_manager_allocate_slots
         assert _core.hybrid_running_step_state()["native_steps"] == before + native
         outcomes.append((outcome, _state(manager), _mamba_state(manager)))
@@ -354,14 +337,6 @@ def test_a_patched_mamba_method_gets_vllms_cache_blocks(monkeypatch, where):
     assert bool(seen) == (where != "none")
 
 
-class _RaisesOnEq:
-    def __eq__(self, other):
-        raise RuntimeError("compared")
-
-    __ne__ = __eq__
-    __hash__ = object.__hash__
-
-
 class _HostileKey:
     """A dict key that collides with ``name`` and clears ``victim`` the first time it is
     compared (a dict look-up of ``name`` runs its ``__eq__``)."""
@@ -388,22 +363,16 @@ def _decoding_pair():
     for allocate_slots in (_vanilla_allocate_slots(), _core.kv_cache_manager_allocate_slots):
         manager = _manager(200, False, 0, False)
         req = make_request("a", list(range(70)), max_tokens=100, block_size=BLOCK_SIZE)
-        allocate_slots(manager, req, 64)
+        assert allocate_slots(manager, req, 64) is not None
         req.status, req.num_computed_tokens = RequestStatus.RUNNING, 64
-        allocate_slots(manager, req, 6)
+        assert allocate_slots(manager, req, 6) is not None
         req.num_computed_tokens = 70
         req.append_output_token_ids(7)
-        allocate_slots(manager, req, 1)
+        # (this step retires the prompt's last state block: not idle)
+        assert allocate_slots(manager, req, 1) is manager.empty_kv_cache_blocks
         req.num_computed_tokens = 71
         req.append_output_token_ids(8)
         yield allocate_slots, manager, req
-
-
-def _outcome(fn):
-    try:
-        return ("ok", fn())
-    except Exception as e:  # noqa: BLE001 - the exception's type is what is compared
-        return ("raised", type(e).__name__)
 
 
 @needs_known_mamba
@@ -417,7 +386,7 @@ def test_a_shared_prefix_boundary_is_compared_as_vllm_compares_it():
     for allocate_slots, manager, req in _decoding_pair():
         for single in manager.coordinator.single_type_managers[1:]:
             single.shared_prefix_checkpoint = True
-        req.shared_prefix_boundary = _RaisesOnEq()
+        req.shared_prefix_boundary = _NeRaises()
         outcomes.append((_outcome(lambda: _summary(manager, allocate_slots(manager, req, 1))),
                          _outcome(lambda: manager.cache_blocks(req, 48)),
                          _outcome(lambda: manager.cache_blocks(req, 80)),
