@@ -72,13 +72,10 @@ cdef bint _group_caches_nothing(_HybridStep hp, mgr, request, str request_id,
     vLLM reads it), with no partial prompt tail (a full-attention group's block the hash
     block; a Mamba group in align mode with no checkpoint this step and
     :func:`_mamba_tail_cached`). False: vLLM's code runs the call."""
-    cdef long long bs, hash_bs, n_cached = 0, full
+    cdef long long bs, hash_bs, n_cached = 0
     cdef object t = type(mgr)
-    enable = mgr.enable_caching
-    if enable is False:
+    if mgr.enable_caching is False:
         return True
-    if enable is not True or mgr.use_eagle is not False:
-        return False
     if t is hp.full_attention_cls:
         spec_cls = hp.full_spec_cls
     elif t is hp.sliding_window_cls:
@@ -89,9 +86,7 @@ cdef bint _group_caches_nothing(_HybridStep hp, mgr, request, str request_id,
             return False
     if (type(mgr.kv_cache_spec) is not spec_cls   # (its prefix_cacheable: vLLM's, checked)
             or not _not_overridden(mgr, hp.single_type_names)
-            or not _nonneg(mgr.block_size, &bs) or bs == 0
-            or not _nonneg(mgr.block_pool.hash_block_size, &hash_bs) or hash_bs == 0
-            or (n_hashes > 0 and hash_bs > _NATIVE_INT_LIMIT // n_hashes)):
+            or not _nonneg(mgr.block_size, &bs) or bs == 0):
         return False
     num_cached_block = mgr.num_cached_block
     if type(num_cached_block) is not dict:
@@ -99,10 +94,8 @@ cdef bint _group_caches_nothing(_HybridStep hp, mgr, request, str request_id,
     cached = (<dict>num_cached_block).get(request_id)
     if cached is not None and not _nonneg(cached, &n_cached):
         return False
-    full = n_hashes * hash_bs
-    if n_cacheable < full:
-        full = n_cacheable
-    if n_cached < full // bs:
+    if (not _full_blocks_cached(mgr, n_cached, n_cacheable, n_hashes, bs, &hash_bs)
+            or hash_bs == 0):
         return False
     if t is hp.full_attention_cls:
         return bs == hash_bs

@@ -303,7 +303,7 @@ cdef bint _hybrid_group_idle(_HybridStep hp, mgr, str request_id, long long need
     at most ``n_cache`` tokens; a full-attention group caches a partial prompt tail when
     its block is larger than the hash block, so that shape is vLLM's). False: vLLM's
     code runs the call."""
-    cdef long long bs, hash_bs, n_cached, window, extra, skipped, n_skip, full
+    cdef long long bs, hash_bs, n_cached, window, extra, skipped, n_skip
     cdef object t = type(mgr)
     if t is hp.full_attention_cls:
         spec_cls = hp.full_spec_cls
@@ -342,13 +342,25 @@ cdef bint _hybrid_group_idle(_HybridStep hp, mgr, str request_id, long long need
         return False
     if n_cache < 0 or mgr.enable_caching is False:   # (n_cache -1: caching delayed)
         return True
-    if (mgr.enable_caching is not True or mgr.use_eagle is not False
-            or not _nonneg(mgr.block_pool.hash_block_size, &hash_bs)
-            or (n_hashes > 0 and hash_bs > _NATIVE_INT_LIMIT // n_hashes)):
-        return False
-    full = n_hashes * hash_bs
-    if n_cache < full:
-        full = n_cache
-    if n_cached < full // bs:
+    if not _full_blocks_cached(mgr, n_cached, n_cache, n_hashes, bs, &hash_bs):
         return False
     return t is hp.sliding_window_cls or bs == hash_bs
+
+
+cdef bint _full_blocks_cached(mgr, long long n_cached, long long n_tokens, Py_ssize_t n_hashes,
+                              long long bs, long long* hash_bs) except -1:
+    """``SingleTypeKVCacheManager.cache_blocks`` (vLLM 0.34.0) caches no full block for a
+    group with caching on: ``enable_caching`` True and ``use_eagle`` False (the
+    coordinator's count of cacheable tokens is then at most ``n_tokens``), the pool's
+    ``hash_block_size`` an exact int (read into ``hash_bs``), and ``n_cached``
+    (``num_cached_block``) at least ``min(n_tokens, hashed tokens) // block_size``. The
+    idle step's test for every group type, and ``_group_caches_nothing``'s."""
+    cdef long long full
+    if (mgr.enable_caching is not True or mgr.use_eagle is not False
+            or not _nonneg(mgr.block_pool.hash_block_size, hash_bs)
+            or (n_hashes > 0 and hash_bs[0] > _NATIVE_INT_LIMIT // n_hashes)):
+        return False
+    full = n_hashes * hash_bs[0]
+    if n_tokens < full:
+        full = n_tokens
+    return n_cached >= full // bs

@@ -122,7 +122,7 @@ cdef bint _mamba_group_idle(_HybridStep hp, mgr, request, str request_id, long l
     the coordinator's ``get_num_cacheable_tokens``; -1: not called) finds its full blocks
     cached and no partial tail to register (:func:`_mamba_tail_cached`). False: vLLM's
     code runs the call."""
-    cdef long long bs, n_spec, align, hash_bs, n_cached, lookahead, full, required
+    cdef long long bs, n_spec, align, hash_bs, n_cached, lookahead, required
     if (type(mgr.kv_cache_spec) is not hp.mamba_spec_cls   # (its prefix_cacheable: vLLM's, checked)
             or not _not_overridden(mgr, hp.single_type_names)
             or not _not_overridden(mgr, hp.mamba_names)
@@ -164,14 +164,8 @@ cdef bint _mamba_group_idle(_HybridStep hp, mgr, request, str request_id, long l
     to_alloc[0] += required - len(<list>blocks)
     if n_cacheable < 0 or mgr.enable_caching is False:   # (-1: caching delayed)
         return True
-    if (mgr.enable_caching is not True or mgr.use_eagle is not False
-            or not _nonneg(mgr.block_pool.hash_block_size, &hash_bs) or hash_bs == 0
-            or (n_hashes > 0 and hash_bs > _NATIVE_INT_LIMIT // n_hashes)):
-        return False
-    full = n_hashes * hash_bs
-    if n_cacheable < full:
-        full = n_cacheable
-    if n_cached < full // bs:
+    if (not _full_blocks_cached(mgr, n_cached, n_cacheable, n_hashes, bs, &hash_bs)
+            or hash_bs == 0):
         return False
     return _mamba_tail_cached(mgr, request, request_id, <list>blocks, n_cacheable, bs, hash_bs,
                               computed)
