@@ -107,6 +107,7 @@ include "block_table.pxi"         # BlockTable (block objects created on first u
 include "block_lists.pxi"         # list / reversed(list) read in place
 include "manager.pxi"             # KVCacheManager.allocate_slots for a running request (issue 17)
 include "hybrid_step.pxi"         # ... and its idle step under HybridKVCacheCoordinator
+include "hybrid_alloc.pxi"        # ... and its steps that free or allocate (full + sliding window)
 include "mamba_step.pxi"          # ... a Mamba group's part of that idle step
 include "hybrid_cache.pxi"        # ... and the hybrid coordinator's cache_blocks that caches nothing
 include "lookup.pxi"              # KVCacheManager.get_computed_blocks, one full-attention group

@@ -31,6 +31,7 @@ cdef class _HybridStep:
     cdef int n_classes
     cdef public Py_ssize_t native_steps, vllm_steps
     cdef public Py_ssize_t native_cache_calls, vllm_cache_calls
+    cdef public Py_ssize_t native_changes   # steps that freed or allocated natively
 
     def __init__(self):
         self.enabled = False
@@ -41,6 +42,7 @@ cdef class _HybridStep:
         self.tags[0] = 0
         self.native_steps = self.vllm_steps = 0
         self.native_cache_calls = self.vllm_cache_calls = 0
+        self.native_changes = 0
 
     cdef bint classes_unchanged(self):
         """The hybrid coordinator's, the managers' and their specs' classes (Mamba's when
@@ -129,6 +131,7 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
     _hybrid.tags[0] = 0
     _hybrid.native_steps = _hybrid.vllm_steps = 0
     _hybrid.native_cache_calls = _hybrid.vllm_cache_calls = 0
+    _hybrid.native_changes = 0
     _hybrid.enabled = True
 
 
@@ -140,6 +143,7 @@ def hybrid_running_step_state():
     on (tests, ``kvpool info``)."""
     return {"enabled": _hybrid.enabled, "mamba": _hybrid.enabled and _hybrid.mamba_cls is not None,
             "native_steps": _hybrid.native_steps, "vllm_steps": _hybrid.vllm_steps,
+            "native_changes": _hybrid.native_changes,
             "native_cache_calls": _hybrid.native_cache_calls,
             "vllm_cache_calls": _hybrid.vllm_cache_calls}
 
@@ -163,8 +167,11 @@ cdef object _hybrid_running_step(_AllocateSlotsFastPath fp, manager, request, _S
     except AttributeError:
         idle = False
     if not idle:
-        hp.vllm_steps += 1
-        return _VLLM
+        result = _hybrid_step_changes(hp, fp, manager, request, s, has_scheduled_reqs,
+                                      delay_cache_blocks)
+        if result is _VLLM:
+            hp.vllm_steps += 1
+        return result
     hp.native_steps += 1
     # (an idle step allocates nothing: the contiguous policy needs no expected length;
     # to_alloc: vLLM's sum of get_num_blocks_to_allocate, which a Mamba group whose
@@ -291,6 +298,40 @@ cdef bint _hybrid_request_numbers(_AllocateSlotsFastPath fp, manager, request, _
             and _step_watermark(fp, manager, request, has_scheduled_reqs, s))
 
 
+cdef object _hybrid_group_ready(_HybridStep hp, mgr, str request_id, empty_list,
+                               long long* bs, long long* n_cached):
+    """What the step reads of one full-attention or sliding-window group is plain: the
+    manager and its spec of the exact classes the step mirrors, no mirrored method set
+    on the instance, a positive int ``block_size`` (into ``bs``), the request's table
+    (returned) and its ``num_cached_block`` entry (into ``n_cached``), no pending
+    copy-on-write block (``_partial_hit_reqs``), the group's entry of the manager's
+    empty ``KVCacheBlocks`` empty. None otherwise (vLLM's code runs the call)."""
+    cdef object t = type(mgr)
+    if t is hp.full_attention_cls:
+        spec_cls = hp.full_spec_cls
+    elif t is hp.sliding_window_cls:
+        spec_cls = hp.sliding_spec_cls
+    else:
+        return None
+    if type(mgr.kv_cache_spec) is not spec_cls:   # (its prefix_cacheable: vLLM's, checked)
+        return None
+    if not _not_overridden(mgr, hp.single_type_names) or not _nonneg(mgr.block_size, bs) or bs[0] == 0:
+        return None
+    req_to_blocks = mgr.req_to_blocks
+    num_cached_block = mgr.num_cached_block
+    partial = mgr._partial_hit_reqs
+    if (not (type(req_to_blocks) is dict or type(req_to_blocks) is _defaultdict)
+            or type(num_cached_block) is not dict or type(partial) is not dict
+            or not (type(empty_list) is tuple or type(empty_list) is list) or len(empty_list) != 0):
+        return None
+    blocks = (<dict>req_to_blocks).get(request_id)
+    cached = (<dict>num_cached_block).get(request_id)
+    if (type(blocks) is not list or cached is None or not _nonneg(cached, n_cached)
+            or request_id in <dict>partial):
+        return None
+    return blocks
+
+
 cdef bint _hybrid_group_idle(_HybridStep hp, mgr, str request_id, long long need,
                              long long processed, long long n_cache, Py_ssize_t n_hashes,
                              empty_list) except -1:
@@ -298,45 +339,21 @@ cdef bint _hybrid_group_idle(_HybridStep hp, mgr, str request_id, long long need
     0.34.0's code: ``remove_skipped_blocks`` frees no block (full attention skips no
     token; a sliding window's last block before it is already the null block),
     ``get_num_blocks_to_allocate`` / ``allocate_new_blocks`` find the table long enough
-    (the request has a ``num_cached_block`` entry and no pending copy-on-write block),
-    and ``cache_blocks`` finds its full blocks cached (``get_num_cacheable_tokens`` gives
-    at most ``n_cache`` tokens; a full-attention group caches a partial prompt tail when
-    its block is larger than the hash block, so that shape is vLLM's). False: vLLM's
-    code runs the call."""
-    cdef long long bs, hash_bs, n_cached, window, extra, skipped, n_skip
+    (:func:`_hybrid_group_ready`), and ``cache_blocks`` finds its full blocks cached
+    (``get_num_cacheable_tokens`` gives at most ``n_cache`` tokens; a full-attention
+    group caches a partial prompt tail when its block is larger than the hash block, so
+    that shape is vLLM's). False: vLLM's code runs the call."""
+    cdef long long bs, hash_bs, n_cached, n_skip
     cdef object t = type(mgr)
-    if t is hp.full_attention_cls:
-        spec_cls = hp.full_spec_cls
-    elif t is hp.sliding_window_cls:
-        spec_cls = hp.sliding_spec_cls
-    else:
-        return False
-    if type(mgr.kv_cache_spec) is not spec_cls:   # (its prefix_cacheable: vLLM's, checked)
-        return False
-    if not _not_overridden(mgr, hp.single_type_names) or not _nonneg(mgr.block_size, &bs) or bs == 0:
-        return False
-    req_to_blocks = mgr.req_to_blocks
-    num_cached_block = mgr.num_cached_block
-    partial = mgr._partial_hit_reqs
-    if (not (type(req_to_blocks) is dict or type(req_to_blocks) is _defaultdict)
-            or type(num_cached_block) is not dict or type(partial) is not dict
-            or not (type(empty_list) is tuple or type(empty_list) is list) or len(empty_list) != 0):
-        return False
-    blocks = (<dict>req_to_blocks).get(request_id)
-    cached = (<dict>num_cached_block).get(request_id)
-    if (type(blocks) is not list or cached is None or not _nonneg(cached, &n_cached)
-            or request_id in <dict>partial):
+    blocks = _hybrid_group_ready(hp, mgr, request_id, empty_list, &bs, &n_cached)
+    if blocks is None:
         return False
     if t is hp.sliding_window_cls:
-        if not _nonneg(mgr.sliding_window, &window) or not _nonneg(mgr.extra_retained_tokens, &extra):
+        if not _sliding_skip(mgr, processed, bs, len(<list>blocks), &n_skip):
             return False
-        skipped = processed - window + 1 - extra
-        if skipped > 0:
-            n_skip = skipped // bs
-            null_block = mgr._null_block   # (before the list is read: it may run code)
-            if n_skip > len(<list>blocks):
-                n_skip = len(<list>blocks)
-            if n_skip > 0 and _list_item(<list>blocks, n_skip - 1) is not null_block:
+        if n_skip > 0:
+            null_block = mgr._null_block   # (it may run code: the list's bound is read again)
+            if _list_item(<list>blocks, n_skip - 1) is not null_block:
                 return False
     if (need + bs - 1) // bs > len(<list>blocks):
         return False

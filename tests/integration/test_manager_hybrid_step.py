@@ -44,12 +44,28 @@ def _installed_release_is_known() -> bool:
         hybrid_fast_path.hybrid_fingerprint()
 
 
-def _manager(num_blocks: int, num_groups: int, events: bool, window_blocks: int):
+def _windows_groups(windows: tuple[tuple[int, int], ...]) -> list:
+    """Full attention, then one sliding-window group per ``(sliding_window,
+    extra_retained_tokens)`` (tokens), as Gemma 3 has one full group beside five
+    sliding ones."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+
+    common = dict(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["layer.full"], FullAttentionSpec(**common))]
+    for i, (window, extra) in enumerate(windows):
+        groups.append(KVCacheGroupSpec([f"layer.swa{i}"], SlidingWindowSpec(
+            **common, sliding_window=window, extra_retained_tokens=extra)))
+    return groups
+
+
+def _manager(num_blocks: int, num_groups: int, events: bool, window_blocks: int,
+             windows: tuple[tuple[int, int], ...] = ()):
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                           kv_cache_groups=kv_cache_groups(BLOCK_SIZE, num_groups, window_blocks))
+    groups = _windows_groups(windows) if windows else kv_cache_groups(BLOCK_SIZE, num_groups, window_blocks)
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     manager = KVCacheManager(config, max_model_len=2048, scheduler_block_size=BLOCK_SIZE,
                              hash_block_size=BLOCK_SIZE, enable_caching=True,
                              enable_kv_cache_events=events)
@@ -90,7 +106,7 @@ def _state(manager) -> tuple:
 
 
 def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool = False,
-         window_blocks: int = 3) -> dict:
+         window_blocks: int = 3, windows: tuple[tuple[int, int], ...] = (), setup=None) -> dict:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.request import RequestStatus
 
@@ -98,8 +114,11 @@ def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool
     kvpool.install()
     assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
     vanilla_fn = _vanilla_allocate_slots()
-    sides = [(_manager(num_blocks, num_groups, events, window_blocks), vanilla_fn, {}),
-             (_manager(num_blocks, num_groups, events, window_blocks), KVCacheManager.allocate_slots, {})]
+    sides = [(_manager(num_blocks, num_groups, events, window_blocks, windows), vanilla_fn, {}),
+             (_manager(num_blocks, num_groups, events, window_blocks, windows),
+              KVCacheManager.allocate_slots, {})]
+    for manager, _, _ in sides if setup is not None else ():
+        setup(manager)
     before = _core.hybrid_running_step_state()
     live: list[str] = []
     next_id = 0
@@ -127,8 +146,8 @@ def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool
             counts["add"] += 1
         elif roll < 0.09 or sides[0][2][live[0]].num_tokens > 1500:
             rid = live.pop(rng.randrange(len(live)) if roll < 0.09 else 0)
-            for manager, _, requests in sides:
-                manager.free(requests.pop(rid))
+            freed = [_outcome(lambda: manager.free(requests.pop(rid))) for manager, _, requests in sides]
+            assert freed[0] == freed[1], (op, "free", freed)
             counts["free"] += 1
         else:
             rid = rng.choice(live)
@@ -152,7 +171,12 @@ def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool
                 req = requests[rid]
                 req.status = status
                 req.num_in_flight_tokens = in_flight
-                out = allocate_slots(manager, req, n, **kwargs)
+                out = _outcome(lambda: allocate_slots(manager, req, n, **kwargs))
+                if out[0] == "raised":
+                    results.append(out)
+                    out = None
+                    continue
+                out = out[1]
                 results.append(_summary(manager, out))
                 req.num_in_flight_tokens = 0
                 if out is not None:
@@ -167,6 +191,7 @@ def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool
     after = _core.hybrid_running_step_state()
     counts["native_steps"] = after["native_steps"] - before["native_steps"]
     counts["vllm_steps"] = after["vllm_steps"] - before["vllm_steps"]
+    counts["native_changes"] = after["native_changes"] - before["native_changes"]
     return counts
 
 
@@ -182,13 +207,58 @@ needs_known_release = pytest.mark.skipif(
 def test_hybrid_running_step_matches_vllm(num_blocks, events):
     """Full attention + a 3-block sliding window: small pool (constant eviction,
     refusals), larger pool (long tables, prefix hits, the window's null blocks); KV
-    events on and off. Most steps are idle and answered natively; every other one is
-    vLLM's, and the two managers stay identical."""
+    events on and off. Most steps are idle and answered natively, the steps that free
+    or allocate blocks too (src/kvpool/hybrid_alloc.pxi), and the two managers stay
+    identical."""
     counts = _run(NUM_OPS // 4, num_blocks, 2, SEED + num_blocks, events)
     print(f"\nhybrid differential: {num_blocks} blocks, events {events}: {counts}")
     assert counts["native_steps"] > counts["step"] // 3
-    assert counts["vllm_steps"] > 0 and counts["free"] > 0
+    assert counts["native_changes"] > counts["step"] // 10 and counts["free"] > 0
     assert counts["none"] > 0 or num_blocks > 48
+
+
+@needs_known_release
+@pytest.mark.parametrize("events", [False, True], ids=["no-events", "kv-events"])
+def test_several_sliding_windows_match_vllm(events):
+    """Gemma 3's shape: full attention beside sliding windows that end mid-block (40 and
+    100 tokens of 16-token blocks) and one that keeps 5 extra trailing tokens; the
+    steps that free a window's blocks in several groups at once and allocate in every
+    group are native, and the managers stay identical."""
+    counts = _run(NUM_OPS // 4, 300, 0, SEED + 7, events, windows=((40, 0), (100, 5), (33, 0)))
+    print(f"\nseveral windows, events {events}: {counts}")
+    assert counts["native_steps"] > counts["step"] // 4
+    assert counts["native_changes"] > counts["step"] // 10 and counts["none"] > 0
+
+
+def _hostile_frees(manager) -> None:
+    """The pool's ``free_blocks``, set on the instance (vLLM's and the native step call
+    it through the pool): every call gives the request's other sliding-window tables
+    new list objects (same blocks) and drops a pending ``new_block_ids`` entry; every
+    seventh call raises after freeing."""
+    pool, calls = manager.block_pool, [0]
+    free_blocks = pool.free_blocks
+    swa = manager.coordinator.single_type_managers[1:]
+
+    def hostile(blocks, *args, **kwargs):
+        calls[0] += 1
+        free_blocks(blocks, *args, **kwargs)
+        for single in swa:
+            for rid in list(single.req_to_blocks):
+                single.req_to_blocks[rid] = list(single.req_to_blocks[rid])
+        if calls[0] % 7 == 0:
+            raise RuntimeError("a free's callback failed")
+
+    pool.free_blocks = hostile
+
+
+@needs_known_release
+def test_code_run_by_a_free_gives_vllms_outcome():
+    """A free that runs Python code changing the tables the step reads next, or that
+    raises: the native step hands the rest of the call to vLLM's (whose removal walk
+    stops at the null blocks already written) or lets the exception through as vLLM's
+    does; every outcome and the managers' states stay vLLM's."""
+    counts = _run(4_000, 300, 0, SEED + 11, windows=((40, 0), (100, 5)), setup=_hostile_frees)
+    assert counts["vllm_steps"] > 0 and counts["native_changes"] > 0
 
 
 @needs_known_release

@@ -1,0 +1,266 @@
+# The running request's step under vLLM's HybridKVCacheCoordinator when it changes
+# something (kvpool.patches.hybrid_fast_path; included by _core.pyx after
+# hybrid_step.pxi, whose idle step is tried first).
+#
+# A model of full-attention and sliding-window groups only (gpt-oss, Gemma 3): every
+# block_size tokens of a decode, and on every prefill chunk, a running request's step
+# frees the blocks that left a sliding window, allocates a block in each group and
+# caches the blocks it filled. vLLM 0.34.0's KVCacheManager.allocate_slots runs that
+# as about thirty Python calls across the coordinator and the groups' managers.
+# _hybrid_step_changes runs the same phases in the same order: the window's blocks
+# freed group by group through the pool's free_blocks, the free-count check, each
+# group's blocks from the pool's get_new_blocks, then the coordinator's cache_blocks
+# (vLLM's code, or kvpool's binding where it caches nothing) and the KVCacheBlocks
+# vLLM's create_kv_cache_blocks builds. Anything it cannot read plainly goes to vLLM's
+# allocate_slots before the first change; a change made by Python code that a free
+# ran (a callback, a patched method) hands the rest of the call to vLLM's
+# allocate_slots as well, whose removal walk stops at the null blocks already written,
+# so nothing is freed twice.
+
+
+cdef bint _sliding_skip(mgr, long long processed, long long bs, Py_ssize_t n_table,
+                        long long* n_skip) except -1:
+    """``SlidingWindowManager.get_num_skipped_tokens(processed) // block_size``, capped
+    at the table's length as ``remove_skipped_blocks`` caps it, into ``n_skip`` (0:
+    nothing to walk); False when ``sliding_window`` or ``extra_retained_tokens`` is not
+    an exact non-negative int (vLLM's arithmetic)."""
+    cdef long long window, extra, skipped
+    if not _nonneg(mgr.sliding_window, &window) or not _nonneg(mgr.extra_retained_tokens, &extra):
+        return False
+    skipped = processed - window + 1 - extra
+    n_skip[0] = 0
+    if skipped > 0:
+        n_skip[0] = skipped // bs
+        if n_skip[0] > n_table:
+            n_skip[0] = n_table
+    return True
+
+
+cdef Py_ssize_t _removal_end(list blocks, long long n_skip, object null_block) except -3:
+    """``_remove_blocks_in_range(request_id, 0, n_skip)``'s walk, read only: the index
+    below which it stops (the last null block at or below ``n_skip - 1``, else -1), or
+    -2 when a block it would compare with the null block is not one whose ``==`` is
+    False without running Python code (kvpool's exact ``KVCacheBlock`` with an int id
+    other than the null block's: the dataclass equality compares ids first). The null
+    block itself: kvpool's exact ``KVCacheBlock`` with an int id (checked by the
+    caller)."""
+    cdef Py_ssize_t i
+    cdef KVCacheBlock blk
+    null_id = <object>(<KVCacheBlock>null_block)._block_id_o
+    if n_skip > len(blocks):
+        return -2
+    for i in range(n_skip - 1, -1, -1):
+        b = blocks[i]
+        if b is null_block:
+            return i
+        if type(b) is not KVCacheBlock:
+            return -2
+        blk = <KVCacheBlock>b
+        if blk._block_id_o is NULL or type(<object>blk._block_id_o) is not int \
+                or <object>blk._block_id_o == null_id:
+            return -2
+    return -1
+
+
+cdef bint _hybrid_groups_ready(_HybridStep hp, tuple managers, str request_id,
+                               tuple empty_blocks, pool, long long processed,
+                               list tables, vector[long long]& sizes,
+                               vector[long long]& skips) except -1:
+    """Every group of a full + sliding-window coordinator is one the step reads plainly
+    (:func:`_hybrid_group_ready`) on ``pool``, and a sliding window's blocks to free
+    compare with its null block without running Python code (:func:`_removal_end`):
+    its table appended to ``tables``, its block size and the number of blocks its
+    removal walk starts from (0: nothing to free) to ``sizes`` / ``skips``. False:
+    vLLM's code runs the call."""
+    cdef long long bs, n_cached, n_skip
+    cdef Py_ssize_t i
+    for i in range(len(managers)):
+        mgr = managers[i]
+        blocks = _hybrid_group_ready(hp, mgr, request_id, empty_blocks[i], &bs, &n_cached)
+        if blocks is None or mgr.block_pool is not pool:
+            return False
+        n_skip = 0
+        if type(mgr) is hp.sliding_window_cls:
+            if not _sliding_skip(mgr, processed, bs, len(<list>blocks), &n_skip):
+                return False
+            if n_skip > 0:
+                null_block = mgr._null_block
+                if (type(null_block) is not KVCacheBlock
+                        or (<KVCacheBlock>null_block)._block_id_o is NULL
+                        or type(<object>(<KVCacheBlock>null_block)._block_id_o) is not int
+                        or _removal_end(<list>blocks, n_skip, null_block) == -2):
+                    return False
+        tables.append(blocks)
+        sizes.push_back(bs)
+        skips.push_back(n_skip)
+    return True
+
+
+cdef int _remove_skipped(tuple managers, str request_id, list tables,
+                         vector[long long]& skips) except -1:
+    """``coordinator.remove_skipped_blocks``: group by group, the blocks of the walk
+    replaced by the null block and handed to the pool's ``free_blocks`` in the walk's
+    (descending) order, as ``_remove_blocks_in_range`` does. Each group's walk is read
+    again right before it is written (a free may run Python code); False, with the
+    groups already done left done, when that read finds something else than the checks
+    found (vLLM's ``allocate_slots`` then runs the call: its walk stops at the null
+    blocks written here); 1 when done without freeing a block, 2 when a block was
+    freed."""
+    cdef Py_ssize_t i, j, end
+    cdef int done = 1
+    for i in range(len(managers)):
+        if skips[i] == 0:
+            continue
+        mgr = managers[i]
+        blocks = tables[i]
+        null_block = mgr._null_block
+        if ((<dict>mgr.req_to_blocks).get(request_id) is not blocks
+                or type(null_block) is not KVCacheBlock):
+            return 0
+        freed = []              # (before the walk is read: creating it may run the collector)
+        end = _removal_end(<list>blocks, skips[i], null_block)
+        if end == -2:
+            return 0
+        if end == skips[i] - 1:
+            continue            # the walk's first block is already the null block
+        for j in range(skips[i] - 1, end, -1):
+            freed.append((<list>blocks)[j])
+            (<list>blocks)[j] = null_block
+        done = 2
+        mgr.block_pool.free_blocks(freed)
+    return done
+
+
+cdef tuple _hybrid_changes_ready(_HybridStep hp, _AllocateSlotsFastPath fp, manager, request,
+                                 _Step* s, bint has_scheduled_reqs, bint delay_cache_blocks,
+                                 long long* main, long long* need, long long* processed,
+                                 long long* free_blocks, list tables, vector[long long]& sizes,
+                                 vector[long long]& skips):
+    """The checks of :func:`_hybrid_step_changes`, read only: the coordinator's managers
+    when the step may go on natively (its groups' tables in ``tables``, block sizes in
+    ``sizes``, the blocks their removal walks start from in ``skips``; the step's token
+    counts in ``main`` (computed + new), ``need`` (+ lookahead, capped at
+    ``max_model_len``) and ``processed`` (less the in-flight tokens), the pool's free
+    count in ``free_blocks``); None when vLLM's ``allocate_slots`` runs the call."""
+    cdef long long in_flight, request_tokens, total
+    if type(request) is not fp.request_cls or not hp.classes_unchanged():
+        return None
+    coordinator = manager.coordinator
+    managers = coordinator.single_type_managers
+    if (_hybrid_managers_served(hp, managers) != 1
+            or not _not_overridden(coordinator, hp.coordinator_names)
+            or not _hybrid_coordinator_plain(coordinator, delay_cache_blocks)):
+        return None
+    request_id = request.request_id
+    empty_blocks = getattr(manager.empty_kv_cache_blocks, "blocks", None)
+    pool = manager.block_pool
+    if (type(request_id) is not str or type(empty_blocks) is not tuple
+            or len(<tuple>empty_blocks) != len(<tuple>managers)
+            or not _hybrid_request_numbers(fp, manager, request, s, has_scheduled_reqs,
+                                           &in_flight, &request_tokens)
+            or not _native_free_count(fp, pool, free_blocks)):
+        return None
+    total = s.computed if s.computed < s.max_len else s.max_len
+    main[0] = total + s.new_tokens
+    need[0] = main[0] + s.lookahead if main[0] + s.lookahead < s.max_len else s.max_len
+    processed[0] = total - in_flight if total > in_flight else 0
+    del tables[:]
+    sizes.clear()
+    skips.clear()
+    if not _hybrid_groups_ready(hp, <tuple>managers, <str>request_id, <tuple>empty_blocks,
+                                pool, processed[0], tables, sizes, skips):
+        return None
+    return <tuple>managers
+
+
+cdef bint _checked(_HybridStep hp, _AllocateSlotsFastPath fp, manager, request, _Step* s,
+                   bint has_scheduled_reqs, bint delay_cache_blocks, long long* main,
+                   long long* need, long long* processed, long long* free_blocks,
+                   list tables, vector[long long]& sizes, vector[long long]& skips,
+                   tuple expected) except -1:
+    """:func:`_hybrid_changes_ready`, an attribute missing where it reads one counting
+    as a failed check (vLLM's code reads it, or not); with ``expected``, the managers
+    must be that tuple (a free ran Python code between the two reads)."""
+    try:
+        managers = _hybrid_changes_ready(hp, fp, manager, request, s, has_scheduled_reqs,
+                                         delay_cache_blocks, main, need, processed,
+                                         free_blocks, tables, sizes, skips)
+    except AttributeError:
+        return False
+    return managers is not None and (expected is None or managers is expected)
+
+
+cdef object _hybrid_step_changes(_HybridStep hp, _AllocateSlotsFastPath fp, manager, request,
+                                 _Step* s, bint has_scheduled_reqs, bint delay_cache_blocks):
+    """vLLM 0.34.0's ``KVCacheManager.allocate_slots`` for a running request of a model
+    whose groups are all full attention or sliding window (no Mamba group), when the
+    step frees, allocates or caches: the result vLLM's returns (``KVCacheBlocks`` of
+    the groups' new blocks, the manager's empty one, or None where the free count
+    refuses the step after the window's blocks were freed, as vLLM's does). _VLLM
+    before any change when a check fails (:func:`_hybrid_changes_ready`), or after the
+    window's frees when a free ran code that changed what the step reads (module
+    comment). Exceptions of the pool's calls propagate, as from vLLM's."""
+    cdef long long main, need, processed, free_blocks, to_alloc = 0, n
+    cdef vector[long long] sizes, skips
+    cdef Py_ssize_t i
+    cdef int removed
+    tables = []
+    if not _checked(hp, fp, manager, request, s, has_scheduled_reqs, delay_cache_blocks,
+                    &main, &need, &processed, &free_blocks, tables, sizes, skips, None):
+        return _VLLM
+    coordinator = manager.coordinator
+    managers = coordinator.single_type_managers
+    request_id = request.request_id
+    # 1. remove_skipped_blocks (before the free-count check, as vLLM's)
+    removed = _remove_skipped(<tuple>managers, <str>request_id, tables, skips)
+    if removed == 0:
+        return _VLLM
+    if removed == 2 and not _checked(hp, fp, manager, request, s, has_scheduled_reqs,
+                                     delay_cache_blocks, &main, &need, &processed,
+                                     &free_blocks, tables, sizes, skips, <tuple>managers):
+        return _VLLM    # (a free ran code that changed the step: vLLM's call, whose walk
+                        # stops at the null blocks written here)
+    # 2. get_num_blocks_to_allocate (a running request: no new hit) and the free count
+    for i in range(len(tables)):
+        n = (need + sizes[i] - 1) // sizes[i] - len(<list>tables[i])
+        if n > 0:
+            to_alloc += n
+    hp.native_changes += 1
+    if to_alloc + s.watermark > free_blocks - s.reserved:
+        return None
+    return _hybrid_allocate_and_cache(fp, manager, coordinator, <tuple>managers, request,
+                                      <str>request_id, to_alloc, need, main, sizes,
+                                      delay_cache_blocks)
+
+
+cdef object _hybrid_allocate_and_cache(_AllocateSlotsFastPath fp, manager, coordinator,
+                                       tuple managers, request, str request_id,
+                                       long long to_alloc, long long need, long long main,
+                                       vector[long long]& sizes, bint delay_cache_blocks):
+    """The step's phases 3-5: each group's ``allocate_new_blocks`` in group order
+    (:func:`_extend_table`: the pool's ``get_new_blocks``, the table and
+    ``new_block_ids`` extended), the coordinator's ``cache_blocks(request,
+    min(computed + new tokens, request.num_tokens))`` unless delayed, and
+    ``create_kv_cache_blocks``: ``KVCacheBlocks`` of the per-group lists when a group
+    got blocks, else the manager's empty one."""
+    cdef Py_ssize_t i
+    cdef bint any_new = False
+    if fp.manager_hooks and to_alloc > 0:
+        # what kvpool.allocation.base.table_of_caller finds above vLLM's managers
+        policy = getattr(manager.block_pool, "_policy", None)
+        prompt, max_tokens = request.num_prompt_tokens, request.max_tokens
+        if policy is not None and type(prompt) is int and type(max_tokens) is int:
+            policy.expect_tokens(request_id, prompt + max_tokens)
+    new_blocks = []
+    for i in range(len(managers)):
+        group_new = _extend_table(fp, managers[i], request_id, need, sizes[i])
+        if group_new is None:
+            group_new = []
+        elif len(<list>group_new) > 0:
+            any_new = True
+        new_blocks.append(group_new)
+    if not delay_cache_blocks:
+        coordinator.cache_blocks(request, min(main, request.num_tokens))
+    if not any_new:
+        return manager.empty_kv_cache_blocks
+    return fp.manager_module_dict["KVCacheBlocks"](tuple(new_blocks))
