@@ -10,12 +10,14 @@
 # _hybrid_step_changes runs the same phases in the same order: the window's blocks
 # freed group by group through the pool's free_blocks, the free-count check, each
 # group's blocks from the pool's get_new_blocks, then the coordinator's cache_blocks
-# (vLLM's code, or kvpool's binding where it caches nothing) and the KVCacheBlocks
-# vLLM's create_kv_cache_blocks builds. Anything it cannot read plainly goes to vLLM's
-# allocate_slots before the first change; a change made by Python code that a free
-# ran (a callback, a patched method) hands the rest of the call to vLLM's
-# allocate_slots as well, whose removal walk stops at the null blocks already written,
-# so nothing is freed twice.
+# (kvpool's binding: group by group) and the KVCacheBlocks vLLM's
+# create_kv_cache_blocks builds. It reads everything before the first change, so it
+# runs only where nothing between the changes can run code of another party: the
+# pool's free_blocks and get_new_blocks are kvpool's own (class and instance), with no
+# reuse watcher, metrics collector or patched pool method (_needs_vllm_loop), and
+# every group's new_block_ids bookkeeping is a plain bool and list. vLLM's code
+# re-reads the managers between the phases; code run there (a patched pool method)
+# could change what it reads, so such a pool keeps vLLM's call from the start.
 
 
 cdef bint _sliding_skip(mgr, long long processed, long long bs, Py_ssize_t n_table,
@@ -67,7 +69,8 @@ cdef bint _hybrid_groups_ready(_HybridStep hp, tuple managers, str request_id,
                                list tables, vector[long long]& sizes,
                                vector[long long]& skips) except -1:
     """Every group of a full + sliding-window coordinator is one the step reads plainly
-    (:func:`_hybrid_group_ready`) on ``pool``, and a sliding window's blocks to free
+    (:func:`_hybrid_group_ready`) on ``pool``, its ``_record_new_block_ids`` a bool and
+    ``new_block_ids`` a list, and a sliding window's blocks to free
     compare with its null block without running Python code (:func:`_removal_end`):
     its table appended to ``tables``, its block size and the number of blocks its
     removal walk starts from (0: nothing to free) to ``sizes`` / ``skips``. False:
@@ -77,7 +80,8 @@ cdef bint _hybrid_groups_ready(_HybridStep hp, tuple managers, str request_id,
     for i in range(len(managers)):
         mgr = managers[i]
         blocks = _hybrid_group_ready(hp, mgr, request_id, empty_blocks[i], &bs, &n_cached)
-        if blocks is None or mgr.block_pool is not pool:
+        if (blocks is None or mgr.block_pool is not pool
+                or type(mgr._record_new_block_ids) is not bool or type(mgr.new_block_ids) is not list):
             return False
         n_skip = 0
         if type(mgr) is hp.sliding_window_cls:
@@ -100,35 +104,49 @@ cdef int _remove_skipped(tuple managers, str request_id, list tables,
                          vector[long long]& skips) except -1:
     """``coordinator.remove_skipped_blocks``: group by group, the blocks of the walk
     replaced by the null block and handed to the pool's ``free_blocks`` in the walk's
-    (descending) order, as ``_remove_blocks_in_range`` does. Each group's walk is read
-    again right before it is written (a free may run Python code); False, with the
-    groups already done left done, when that read finds something else than the checks
-    found (vLLM's ``allocate_slots`` then runs the call: its walk stops at the null
-    blocks written here); 1 when done without freeing a block, 2 when a block was
-    freed."""
+    (descending) order, as ``_remove_blocks_in_range`` does. The checks found the walks
+    plain and the pool's free runs no code of another party (module comment); a table
+    that changed all the same (a finalizer run by the garbage collector; none does in
+    vLLM) raises RuntimeError rather than free what the checks did not see."""
     cdef Py_ssize_t i, j, end
-    cdef int done = 1
     for i in range(len(managers)):
         if skips[i] == 0:
             continue
         mgr = managers[i]
         blocks = tables[i]
         null_block = mgr._null_block
+        freed = []              # (before the walk is read: creating it may run the collector)
         if ((<dict>mgr.req_to_blocks).get(request_id) is not blocks
                 or type(null_block) is not KVCacheBlock):
-            return 0
-        freed = []              # (before the walk is read: creating it may run the collector)
-        end = _removal_end(<list>blocks, skips[i], null_block)
+            end = -2
+        else:
+            end = _removal_end(<list>blocks, skips[i], null_block)
         if end == -2:
-            return 0
+            raise RuntimeError(f"kvpool: the block tables of request {request_id!r} changed "
+                               f"during allocate_slots")
         if end == skips[i] - 1:
             continue            # the walk's first block is already the null block
         for j in range(skips[i] - 1, end, -1):
             freed.append((<list>blocks)[j])
             (<list>blocks)[j] = null_block
-        done = 2
         mgr.block_pool.free_blocks(freed)
-    return done
+    return 0
+
+
+cdef bint _pool_runs_no_code(_HybridStep hp, pool) except -1:
+    """The pool's ``free_blocks`` and ``get_new_blocks`` are kvpool's own (``hp``'s, on
+    its class and not set on the instance) and take kvpool's native loops: no reuse
+    watcher, metrics collector or patched method they call (``_needs_vllm_loop``)."""
+    cls = type(pool)
+    return (hp.pool_free_blocks is not None
+            and getattr(cls, "free_blocks", None) is hp.pool_free_blocks
+            and getattr(cls, "get_new_blocks", None) is hp.pool_get_new_blocks
+            and getattr(cls, "_needs_vllm_loop", None) is hp.pool_needs_vllm_loop
+            and _not_overridden(pool, _POOL_STEP_NAMES)
+            and pool._needs_vllm_loop() is False)
+
+
+cdef tuple _POOL_STEP_NAMES = ("free_blocks", "get_new_blocks", "_needs_vllm_loop")
 
 
 cdef tuple _hybrid_changes_ready(_HybridStep hp, _AllocateSlotsFastPath fp, manager, request,
@@ -158,7 +176,8 @@ cdef tuple _hybrid_changes_ready(_HybridStep hp, _AllocateSlotsFastPath fp, mana
             or len(<tuple>empty_blocks) != len(<tuple>managers)
             or not _hybrid_request_numbers(fp, manager, request, s, has_scheduled_reqs,
                                            &in_flight, &request_tokens)
-            or not _native_free_count(fp, pool, free_blocks)):
+            or not _native_free_count(fp, pool, free_blocks)
+            or not _pool_runs_no_code(hp, pool)):
         return None
     total = s.computed if s.computed < s.max_len else s.max_len
     main[0] = total + s.new_tokens
@@ -173,53 +192,34 @@ cdef tuple _hybrid_changes_ready(_HybridStep hp, _AllocateSlotsFastPath fp, mana
     return <tuple>managers
 
 
-cdef bint _checked(_HybridStep hp, _AllocateSlotsFastPath fp, manager, request, _Step* s,
-                   bint has_scheduled_reqs, bint delay_cache_blocks, long long* main,
-                   long long* need, long long* processed, long long* free_blocks,
-                   list tables, vector[long long]& sizes, vector[long long]& skips,
-                   tuple expected) except -1:
-    """:func:`_hybrid_changes_ready`, an attribute missing where it reads one counting
-    as a failed check (vLLM's code reads it, or not); with ``expected``, the managers
-    must be that tuple (a free ran Python code between the two reads)."""
-    try:
-        managers = _hybrid_changes_ready(hp, fp, manager, request, s, has_scheduled_reqs,
-                                         delay_cache_blocks, main, need, processed,
-                                         free_blocks, tables, sizes, skips)
-    except AttributeError:
-        return False
-    return managers is not None and (expected is None or managers is expected)
-
-
 cdef object _hybrid_step_changes(_HybridStep hp, _AllocateSlotsFastPath fp, manager, request,
                                  _Step* s, bint has_scheduled_reqs, bint delay_cache_blocks):
     """vLLM 0.34.0's ``KVCacheManager.allocate_slots`` for a running request of a model
     whose groups are all full attention or sliding window (no Mamba group), when the
     step frees, allocates or caches: the result vLLM's returns (``KVCacheBlocks`` of
     the groups' new blocks, the manager's empty one, or None where the free count
-    refuses the step after the window's blocks were freed, as vLLM's does). _VLLM
-    before any change when a check fails (:func:`_hybrid_changes_ready`), or after the
-    window's frees when a free ran code that changed what the step reads (module
-    comment). Exceptions of the pool's calls propagate, as from vLLM's."""
+    refuses the step after the window's blocks were freed, as vLLM's does); _VLLM
+    before any change when a check fails (:func:`_hybrid_changes_ready`; an attribute
+    missing where it reads one counts as a failed check: vLLM's code reads it, or not).
+    Exceptions of the pool's calls propagate, as from vLLM's."""
     cdef long long main, need, processed, free_blocks, to_alloc = 0, n
     cdef vector[long long] sizes, skips
     cdef Py_ssize_t i
-    cdef int removed
     tables = []
-    if not _checked(hp, fp, manager, request, s, has_scheduled_reqs, delay_cache_blocks,
-                    &main, &need, &processed, &free_blocks, tables, sizes, skips, None):
+    try:
+        managers = _hybrid_changes_ready(hp, fp, manager, request, s, has_scheduled_reqs,
+                                         delay_cache_blocks, &main, &need, &processed,
+                                         &free_blocks, tables, sizes, skips)
+    except AttributeError:
+        return _VLLM
+    if managers is None:
         return _VLLM
     coordinator = manager.coordinator
-    managers = coordinator.single_type_managers
     request_id = request.request_id
     # 1. remove_skipped_blocks (before the free-count check, as vLLM's)
-    removed = _remove_skipped(<tuple>managers, <str>request_id, tables, skips)
-    if removed == 0:
-        return _VLLM
-    if removed == 2 and not _checked(hp, fp, manager, request, s, has_scheduled_reqs,
-                                     delay_cache_blocks, &main, &need, &processed,
-                                     &free_blocks, tables, sizes, skips, <tuple>managers):
-        return _VLLM    # (a free ran code that changed the step: vLLM's call, whose walk
-                        # stops at the null blocks written here)
+    _remove_skipped(<tuple>managers, <str>request_id, tables, skips)
+    if not _native_free_count(fp, manager.block_pool, &free_blocks):
+        raise RuntimeError("kvpool: the block pool changed during allocate_slots")
     # 2. get_num_blocks_to_allocate (a running request: no new hit) and the free count
     for i in range(len(tables)):
         n = (need + sizes[i] - 1) // sizes[i] - len(<list>tables[i])

@@ -25,8 +25,78 @@ cdef object _hybrid_cache_blocks(_AllocateSlotsFastPath fp, coordinator, request
     if nothing:
         hp.native_cache_calls += 1
         return None
+    try:
+        managers = _hybrid_cache_prelude(hp, fp, coordinator, request)
+    except AttributeError:
+        managers = None
+    if managers is not None:
+        hp.group_cache_calls += 1
+        _hybrid_cache_groups(hp, fp, coordinator, <tuple>managers, request, num_computed_tokens, n)
+        return None
     hp.vllm_cache_calls += 1
     return fp.vanilla_cache_blocks(coordinator, request, num_computed_tokens)
+
+
+cdef tuple _hybrid_cache_prelude(_HybridStep hp, _AllocateSlotsFastPath fp, coordinator,
+                                 request):
+    """The coordinator's managers when :func:`_hybrid_cache_groups` may run the call: a
+    full + sliding-window coordinator (no Mamba group) whose classes and instances are
+    vLLM's as the idle step requires, the request's id a ``str`` and its prompt length
+    an int (``replay_boundaries`` reads it); None otherwise (vLLM's function)."""
+    if type(request) is not fp.request_cls or not hp.classes_unchanged():
+        return None
+    managers = coordinator.single_type_managers
+    if (_hybrid_managers_served(hp, managers) != 1
+            or not _not_overridden(coordinator, hp.coordinator_names)
+            or not _hybrid_coordinator_plain(coordinator, False)
+            or type(request.request_id) is not str or type(request.num_prompt_tokens) is not int):
+        return None
+    return <tuple>managers
+
+
+cdef int _hybrid_cache_groups(_HybridStep hp, _AllocateSlotsFastPath fp, coordinator,
+                              tuple managers, request, num_computed_tokens,
+                              long long n) except -1:
+    """vLLM 0.34.0's ``KVCacheCoordinator.cache_blocks`` on a full + sliding-window
+    ``HybridKVCacheCoordinator`` without EAGLE (:func:`_hybrid_cache_prelude`), group by
+    group in vLLM's order: ``replay_boundaries`` without EAGLE is ``(num_prompt_tokens -
+    1,)``; a group with caching off is skipped; a full-attention group caches its full
+    blocks natively (:func:`_full_group_cache_native`) where it can; every other group's
+    ``cache_blocks`` is called as vLLM calls it, with the coordinator's
+    ``get_num_cacheable_tokens`` for it, ``retention_interval`` and the boundaries."""
+    cdef Py_ssize_t i
+    cdef long long sbs, n_cacheable = n
+    if coordinator.enable_partial_hash_hits is False:   # (a bool: _hybrid_coordinator_plain)
+        _nonneg(coordinator.scheduler_block_size, &sbs)
+        n_cacheable = n // sbs * sbs
+    boundaries = (request.num_prompt_tokens - 1,)
+    for i in range(len(managers)):
+        mgr = managers[i]
+        if not mgr.enable_caching:
+            continue
+        if _full_group_cache_native(hp, fp, mgr, request, n_cacheable):
+            continue
+        mgr.cache_blocks(request, coordinator.get_num_cacheable_tokens(num_computed_tokens, i),
+                         retention_interval=coordinator.retention_interval,
+                         replay_boundaries=boundaries)
+    return 0
+
+
+cdef bint _full_group_cache_native(_HybridStep hp, _AllocateSlotsFastPath fp, mgr, request,
+                                   long long n_cacheable) except -1:
+    """One full-attention group's ``cache_blocks(request, n_cacheable)`` natively: the
+    manager and spec of vLLM's exact classes, no mirrored method on the instance, no
+    EAGLE (``get_num_cacheable_tokens`` is then ``n_cacheable``), the request's
+    ``shared_prefix_boundary`` an int or None (vLLM tests its truth; a full-attention
+    group's mask is None either way), then :func:`_cache_group_native`. False before
+    any change: the group's ``cache_blocks`` is vLLM's to run."""
+    if (type(mgr) is not hp.full_attention_cls or type(mgr.kv_cache_spec) is not hp.full_spec_cls
+            or not _not_overridden(mgr, hp.single_type_names) or mgr.use_eagle is not False):
+        return False
+    boundary = request.shared_prefix_boundary
+    if boundary is not None and type(boundary) is not int:
+        return False
+    return _cache_group_native(fp, mgr, request, request.request_id, n_cacheable)
 
 
 cdef bint _hybrid_caches_nothing(_HybridStep hp, _AllocateSlotsFastPath fp, coordinator,

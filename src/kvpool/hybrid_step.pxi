@@ -32,6 +32,8 @@ cdef class _HybridStep:
     cdef public Py_ssize_t native_steps, vllm_steps
     cdef public Py_ssize_t native_cache_calls, vllm_cache_calls
     cdef public Py_ssize_t native_changes   # steps that freed or allocated natively
+    cdef public Py_ssize_t group_cache_calls   # cache_blocks run group by group
+    cdef public object pool_free_blocks, pool_get_new_blocks, pool_needs_vllm_loop   # kvpool's BlockPool's
 
     def __init__(self):
         self.enabled = False
@@ -42,7 +44,8 @@ cdef class _HybridStep:
         self.tags[0] = 0
         self.native_steps = self.vllm_steps = 0
         self.native_cache_calls = self.vllm_cache_calls = 0
-        self.native_changes = 0
+        self.native_changes = self.group_cache_calls = 0
+        self.pool_free_blocks = self.pool_get_new_blocks = self.pool_needs_vllm_loop = None
 
     cdef bint classes_unchanged(self):
         """The hybrid coordinator's, the managers' and their specs' classes (Mamba's when
@@ -96,7 +99,7 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
                                   full_spec_cls, sliding_spec_cls,
                                   class_checks, coordinator_names, single_type_names,
                                   step_globals=(), mamba_cls=None, mamba_spec_cls=None,
-                                  mamba_names=()):
+                                  mamba_names=(), pool_methods=None):
     """Arm the hybrid running step of :func:`kv_cache_manager_allocate_slots` (called by
     ``kvpool.patches.hybrid_fast_path`` after the native allocate_slots is configured;
     ``disable_allocate_slots_fast_path`` disarms both).
@@ -110,7 +113,10 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
     ``MambaManager`` and ``MambaSpec`` when the Mamba groups' idle step is armed too
     (``class_checks`` and ``step_globals`` then cover its methods; ``mamba_names``: its
     methods that must not be set on a Mamba manager instance); None: a model with a
-    Mamba group keeps vLLM's step."""
+    Mamba group keeps vLLM's step. ``pool_methods``: kvpool's ``BlockPool.free_blocks``,
+    ``get_new_blocks`` and ``_needs_vllm_loop`` (the functions), which the steps that
+    free and allocate (``hybrid_alloc.pxi``) require a pool to have; None: those steps
+    stay vLLM's."""
     if (mamba_cls is None) != (mamba_spec_cls is None):
         raise ValueError("mamba_cls and mamba_spec_cls go together")
     _hybrid.enabled = False
@@ -131,19 +137,24 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
     _hybrid.tags[0] = 0
     _hybrid.native_steps = _hybrid.vllm_steps = 0
     _hybrid.native_cache_calls = _hybrid.vllm_cache_calls = 0
-    _hybrid.native_changes = 0
+    _hybrid.native_changes = _hybrid.group_cache_calls = 0
+    _hybrid.pool_free_blocks, _hybrid.pool_get_new_blocks, _hybrid.pool_needs_vllm_loop = (
+        (None, None, None) if pool_methods is None else tuple(pool_methods))
     _hybrid.enabled = True
 
 
 def hybrid_running_step_state():
-    """``{"enabled", "mamba", "native_steps", "vllm_steps", "native_cache_calls",
-    "vllm_cache_calls"}``: whether the hybrid step is armed (and for Mamba groups), the
-    running steps it answered and those of a hybrid coordinator it handed to vLLM's code,
-    the coordinator's ``cache_blocks`` calls it found caching nothing and those it handed
-    on (tests, ``kvpool info``)."""
+    """``{"enabled", "mamba", "native_steps", "vllm_steps", "native_changes",
+    "group_cache_calls", "native_cache_calls", "vllm_cache_calls"}``: whether the hybrid
+    step is armed (and for Mamba groups), the idle running steps it answered, those of a
+    hybrid coordinator it handed to vLLM's code, the steps that freed or allocated
+    natively, the coordinator's ``cache_blocks`` calls run group by group (a
+    full-attention group natively), found caching nothing, and handed on (tests,
+    ``kvpool info``)."""
     return {"enabled": _hybrid.enabled, "mamba": _hybrid.enabled and _hybrid.mamba_cls is not None,
             "native_steps": _hybrid.native_steps, "vllm_steps": _hybrid.vllm_steps,
             "native_changes": _hybrid.native_changes,
+            "group_cache_calls": _hybrid.group_cache_calls,
             "native_cache_calls": _hybrid.native_cache_calls,
             "vllm_cache_calls": _hybrid.vllm_cache_calls}
 

@@ -845,13 +845,28 @@ cdef bint _cache_blocks_native(_AllocateSlotsFastPath fp, coordinator, mgr, requ
     hash (vLLM's partial-to-full promotion), a block, map, hash or count of another
     type, an event queue, a pool subclass or a patched pool method: vLLM's code.
     """
-    cdef long long reprefill, num_tokens, num_cached, num_full, group_id, bs, hash_bs
+    cdef long long reprefill, num_tokens
+    if not _nonneg(coordinator.num_reprefillable_tokens, &reprefill):
+        return False
+    # KVCacheCoordinator.cache_blocks / get_num_cacheable_tokens
+    num_tokens = num_computed_tokens - reprefill
+    if num_tokens < 0:
+        num_tokens = 0
+    return _cache_group_native(fp, mgr, request, request_id, num_tokens)
+
+
+cdef bint _cache_group_native(_AllocateSlotsFastPath fp, mgr, request, str request_id,
+                              long long num_tokens) except -1:
+    """``SingleTypeKVCacheManager.cache_blocks(request, num_tokens)`` of one
+    ``FullAttentionManager`` (no mask) whose block size is the hash block size, natively
+    (:func:`_cache_blocks_native`'s conditions): True when done, False before any side
+    effect when the call is vLLM's to make."""
+    cdef long long num_cached, num_full, group_id, bs, hash_bs
     pool = mgr.block_pool
     cache_o = _native_map_cache(fp, pool)
     if (cache_o is None
             or not _nonneg(mgr.block_size, &bs) or bs == 0
             or not _nonneg(pool.hash_block_size, &hash_bs) or hash_bs != bs
-            or not _nonneg(coordinator.num_reprefillable_tokens, &reprefill)
             or not _nonneg(mgr.kv_cache_group_id, &group_id)
             or group_id >= (<long long>1 << 32)):
         return False
@@ -863,10 +878,6 @@ cdef bint _cache_blocks_native(_AllocateSlotsFastPath fp, coordinator, mgr, requ
     block_hashes = request.block_hashes
     if type(num_cached_block) is not dict or type(block_hashes) is not list:
         return False
-    # KVCacheCoordinator.cache_blocks / get_num_cacheable_tokens
-    num_tokens = num_computed_tokens - reprefill
-    if num_tokens < 0:
-        num_tokens = 0
     # SingleTypeKVCacheManager.cache_blocks
     if not _nonneg((<dict>num_cached_block).get(request_id, 0), &num_cached):
         return False

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import random
+import types
 
 import pytest
 
@@ -107,6 +108,7 @@ def _state(manager) -> tuple:
 
 def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool = False,
          window_blocks: int = 3, windows: tuple[tuple[int, int], ...] = (), setup=None) -> dict:
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.request import RequestStatus
 
@@ -117,6 +119,10 @@ def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool
     sides = [(_manager(num_blocks, num_groups, events, window_blocks, windows), vanilla_fn, {}),
              (_manager(num_blocks, num_groups, events, window_blocks, windows),
               KVCacheManager.allocate_slots, {})]
+    # vLLM's side is vLLM's Python throughout: its coordinator's cache_blocks (which kvpool
+    # binds on the hybrid class) is vLLM's function, set on the instance.
+    vanilla = sides[0][0].coordinator
+    vanilla.cache_blocks = types.MethodType(KVCacheCoordinator.cache_blocks, vanilla)
     for manager, _, _ in sides if setup is not None else ():
         setup(manager)
     before = _core.hybrid_running_step_state()
@@ -192,6 +198,7 @@ def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool
     counts["native_steps"] = after["native_steps"] - before["native_steps"]
     counts["vllm_steps"] = after["vllm_steps"] - before["vllm_steps"]
     counts["native_changes"] = after["native_changes"] - before["native_changes"]
+    counts["group_cache_calls"] = after["group_cache_calls"] - before["group_cache_calls"]
     return counts
 
 
@@ -214,6 +221,7 @@ def test_hybrid_running_step_matches_vllm(num_blocks, events):
     print(f"\nhybrid differential: {num_blocks} blocks, events {events}: {counts}")
     assert counts["native_steps"] > counts["step"] // 3
     assert counts["native_changes"] > counts["step"] // 10 and counts["free"] > 0
+    assert counts["group_cache_calls"] > 0
     assert counts["none"] > 0 or num_blocks > 48
 
 
@@ -228,6 +236,7 @@ def test_several_sliding_windows_match_vllm(events):
     print(f"\nseveral windows, events {events}: {counts}")
     assert counts["native_steps"] > counts["step"] // 4
     assert counts["native_changes"] > counts["step"] // 10 and counts["none"] > 0
+    assert counts["group_cache_calls"] > 0
 
 
 def _hostile_frees(manager) -> None:
@@ -253,12 +262,24 @@ def _hostile_frees(manager) -> None:
 
 @needs_known_release
 def test_code_run_by_a_free_gives_vllms_outcome():
-    """A free that runs Python code changing the tables the step reads next, or that
-    raises: the native step hands the rest of the call to vLLM's (whose removal walk
-    stops at the null blocks already written) or lets the exception through as vLLM's
-    does; every outcome and the managers' states stay vLLM's."""
+    """A ``free_blocks`` set on the pool instance (code that changes the tables the step
+    reads next, or raises) could change what vLLM's code reads between the step's
+    phases: such a pool's changing steps are vLLM's from the start, the idle ones stay
+    native, and every outcome and the managers' states are vLLM's."""
     counts = _run(4_000, 300, 0, SEED + 11, windows=((40, 0), (100, 5)), setup=_hostile_frees)
-    assert counts["vllm_steps"] > 0 and counts["native_changes"] > 0
+    assert counts["vllm_steps"] > 0 and counts["native_changes"] == 0 < counts["native_steps"]
+
+
+def _watched(manager) -> None:
+    """A reuse watcher on the pool (vLLM's ``unpin_blocks`` callback list), which kvpool's
+    allocation calls for every block: vLLM's loop, whose callbacks may run any code."""
+    manager.block_pool._reuse_watchers[-1] = lambda *args: None
+
+
+@needs_known_release
+def test_a_pool_whose_calls_run_callbacks_keeps_vllms_changing_steps():
+    counts = _run(2_000, 300, 0, SEED + 13, windows=((40, 0),), setup=_watched)
+    assert counts["vllm_steps"] > 0 and counts["native_changes"] == 0
 
 
 @needs_known_release

@@ -235,6 +235,7 @@ def bind(release: str, patcher=None) -> bool:
     at once (``src/kvpool/hybrid_cache.pxi``). ``uninstall()`` unbinds both; the next
     install disarms the step first (``_core.disable_allocate_slots_fast_path``)."""
     from kvpool import _core
+    from kvpool.block_pool import BlockPool
     from kvpool.patches.manager_fast_path import _bound_function, _foreign_wrapper
 
     try:
@@ -278,6 +279,7 @@ def bind(release: str, patcher=None) -> bool:
         mamba_cls=classes["MambaManager"] if mamba else None,
         mamba_spec_cls=classes["MambaSpec"] if mamba else None,
         mamba_names=MAMBA_NAMES,
+        pool_methods=(BlockPool.free_blocks, BlockPool.get_new_blocks, BlockPool._needs_vllm_loop),
     )
     return True
 
