@@ -88,9 +88,9 @@ def describe() -> str:
     if version is not None:
         lines.append("native KV cache manager path (allocate_slots of a running request): "
                      + _manager_path_state())
-        lines.append("native idle step of hybrid models (full attention + sliding window): "
+        lines.append("native running step of hybrid models (full attention + sliding window): "
                      + _hybrid_step_state())
-        lines.append("... and of their Mamba groups (mamba_cache_mode=align): "
+        lines.append("... and the idle step of their Mamba groups (mamba_cache_mode=align): "
                      + _hybrid_step_state(mamba=True))
     return "\n".join(lines)
 

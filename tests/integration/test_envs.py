@@ -221,9 +221,9 @@ def test_info_says_whether_the_native_manager_path_binds():
     from kvpool.patches import hybrid_fast_path
 
     hybrid = "on" if release in hybrid_fast_path.KNOWN_HYBRID_SOURCES else "off: this vLLM's hybrid"
-    assert f"native idle step of hybrid models (full attention + sliding window): {hybrid}" in proc.stdout
+    assert f"native running step of hybrid models (full attention + sliding window): {hybrid}" in proc.stdout
     mamba = "on" if hybrid == "on" and release in hybrid_fast_path.KNOWN_MAMBA_SOURCES else "off: this vLLM's"
-    assert f"... and of their Mamba groups (mamba_cache_mode=align): {mamba}" in proc.stdout
+    assert f"... and the idle step of their Mamba groups (mamba_cache_mode=align): {mamba}" in proc.stdout
     proc = _run(code, KVPOOL_PYTHON_MANAGER="1")
     assert "allocate_slots of a running request): off: KVPOOL_PYTHON_MANAGER is on" in proc.stdout
     if hybrid == "on":
