@@ -151,43 +151,29 @@ cdef tuple _POOL_STEP_NAMES = ("free_blocks", "get_new_blocks", "_needs_vllm_loo
 
 cdef tuple _hybrid_changes_ready(_HybridStep hp, _AllocateSlotsFastPath fp, manager, request,
                                  _Step* s, bint has_scheduled_reqs, bint delay_cache_blocks,
-                                 long long* main, long long* need, long long* processed,
-                                 long long* free_blocks, list tables, vector[long long]& sizes,
-                                 vector[long long]& skips):
-    """The checks of :func:`_hybrid_step_changes`, read only: the coordinator's managers
-    when the step may go on natively (its groups' tables in ``tables``, block sizes in
-    ``sizes``, the blocks their removal walks start from in ``skips``; the step's token
-    counts in ``main`` (computed + new), ``need`` (+ lookahead, capped at
-    ``max_model_len``) and ``processed`` (less the in-flight tokens), the pool's free
-    count in ``free_blocks``); None when vLLM's ``allocate_slots`` runs the call."""
-    cdef long long in_flight, request_tokens, total
-    if type(request) is not fp.request_cls or not hp.classes_unchanged():
+                                 _HybridTokens* t, long long* free_blocks, list tables,
+                                 vector[long long]& sizes, vector[long long]& skips):
+    """The checks of :func:`_hybrid_step_changes`, read only: the step's prelude
+    (:func:`_hybrid_step_prelude`, read again: the idle test between may have read a
+    pool attribute), no Mamba group, the pool's free count read natively into
+    ``free_blocks`` and its free / allocation running no code of another party
+    (:func:`_pool_runs_no_code`), every group ready (:func:`_hybrid_groups_ready`: its
+    table in ``tables``, block size in ``sizes``, the block its removal walk starts
+    from in ``skips``). Returns the coordinator's managers, the token counts in ``t``;
+    None when vLLM's ``allocate_slots`` runs the call."""
+    pre = _hybrid_step_prelude(hp, fp, manager, request, s, has_scheduled_reqs,
+                               delay_cache_blocks, t)
+    if pre is None or t.served != 1:
         return None
-    coordinator = manager.coordinator
-    managers = coordinator.single_type_managers
-    if (_hybrid_managers_served(hp, managers) != 1
-            or not _not_overridden(coordinator, hp.coordinator_names)
-            or not _hybrid_coordinator_plain(coordinator, delay_cache_blocks)):
-        return None
-    request_id = request.request_id
-    empty_blocks = getattr(manager.empty_kv_cache_blocks, "blocks", None)
+    managers, request_id, empty_blocks = pre
     pool = manager.block_pool
-    if (type(request_id) is not str or type(empty_blocks) is not tuple
-            or len(<tuple>empty_blocks) != len(<tuple>managers)
-            or not _hybrid_request_numbers(fp, manager, request, s, has_scheduled_reqs,
-                                           &in_flight, &request_tokens)
-            or not _native_free_count(fp, pool, free_blocks)
-            or not _pool_runs_no_code(hp, pool)):
+    if not _native_free_count(fp, pool, free_blocks) or not _pool_runs_no_code(hp, pool):
         return None
-    total = s.computed if s.computed < s.max_len else s.max_len
-    main[0] = total + s.new_tokens
-    need[0] = main[0] + s.lookahead if main[0] + s.lookahead < s.max_len else s.max_len
-    processed[0] = total - in_flight if total > in_flight else 0
     del tables[:]
     sizes.clear()
     skips.clear()
     if not _hybrid_groups_ready(hp, <tuple>managers, <str>request_id, <tuple>empty_blocks,
-                                pool, processed[0], tables, sizes, skips):
+                                pool, t.processed, tables, sizes, skips):
         return None
     return <tuple>managers
 
@@ -202,14 +188,15 @@ cdef object _hybrid_step_changes(_HybridStep hp, _AllocateSlotsFastPath fp, mana
     before any change when a check fails (:func:`_hybrid_changes_ready`; an attribute
     missing where it reads one counts as a failed check: vLLM's code reads it, or not).
     Exceptions of the pool's calls propagate, as from vLLM's."""
-    cdef long long main, need, processed, free_blocks, to_alloc = 0, n
+    cdef long long free_blocks, to_alloc = 0, n
+    cdef _HybridTokens t
     cdef vector[long long] sizes, skips
     cdef Py_ssize_t i
     tables = []
     try:
         managers = _hybrid_changes_ready(hp, fp, manager, request, s, has_scheduled_reqs,
-                                         delay_cache_blocks, &main, &need, &processed,
-                                         &free_blocks, tables, sizes, skips)
+                                         delay_cache_blocks, &t, &free_blocks, tables, sizes,
+                                         skips)
     except AttributeError:
         return _VLLM
     if managers is None:
@@ -222,14 +209,14 @@ cdef object _hybrid_step_changes(_HybridStep hp, _AllocateSlotsFastPath fp, mana
         raise RuntimeError("kvpool: the block pool changed during allocate_slots")
     # 2. get_num_blocks_to_allocate (a running request: no new hit) and the free count
     for i in range(len(tables)):
-        n = (need + sizes[i] - 1) // sizes[i] - len(<list>tables[i])
+        n = (t.need + sizes[i] - 1) // sizes[i] - len(<list>tables[i])
         if n > 0:
             to_alloc += n
     hp.native_changes += 1
     if to_alloc + s.watermark > free_blocks - s.reserved:
         return None
     return _hybrid_allocate_and_cache(fp, manager, coordinator, <tuple>managers, request,
-                                      <str>request_id, to_alloc, need, main, sizes,
+                                      <str>request_id, to_alloc, t.need, t.main, sizes,
                                       delay_cache_blocks)
 
 

@@ -18,18 +18,17 @@ cdef object _hybrid_cache_blocks(_AllocateSlotsFastPath fp, coordinator, request
     missing where the test reads one leaves the call to vLLM's code, which reads it, or
     not, as it does."""
     cdef _HybridStep hp = _hybrid
+    cdef int served = 0
     try:
-        nothing = _hybrid_caches_nothing(hp, fp, coordinator, request, n)
+        managers = _hybrid_cache_prelude(hp, fp, coordinator, request, &served)
+        nothing = managers is not None and _hybrid_caches_nothing(hp, coordinator, request,
+                                                                   <tuple>managers, n)
     except AttributeError:
-        nothing = False
+        managers, nothing = None, False
     if nothing:
         hp.native_cache_calls += 1
         return None
-    try:
-        managers = _hybrid_cache_prelude(hp, fp, coordinator, request)
-    except AttributeError:
-        managers = None
-    if managers is not None:
+    if managers is not None and served == 1:
         hp.group_cache_calls += 1
         _hybrid_cache_groups(hp, fp, coordinator, <tuple>managers, request, num_computed_tokens, n)
         return None
@@ -38,15 +37,20 @@ cdef object _hybrid_cache_blocks(_AllocateSlotsFastPath fp, coordinator, request
 
 
 cdef tuple _hybrid_cache_prelude(_HybridStep hp, _AllocateSlotsFastPath fp, coordinator,
-                                 request):
-    """The coordinator's managers when :func:`_hybrid_cache_groups` may run the call: a
-    full + sliding-window coordinator (no Mamba group) whose classes and instances are
-    vLLM's as the idle step requires, the request's id a ``str`` and its prompt length
-    an int (``replay_boundaries`` reads it); None otherwise (vLLM's function)."""
+                                 request, int* served):
+    """The checks both native ``cache_blocks`` paths start with, read only: the request
+    of the native path's class, the mirrored classes unchanged, a coordinator of served
+    managers (``served``: 1, or 2 with a Mamba group; :func:`_hybrid_managers_served`)
+    with no mirrored method on its instance and plain numbers
+    (:func:`_hybrid_coordinator_plain`), the request's id a ``str`` and its prompt
+    length an int (``replay_boundaries`` reads it). Returns the coordinator's managers;
+    None otherwise (vLLM's function). AttributeError propagates (the caller's: vLLM's
+    function)."""
     if type(request) is not fp.request_cls or not hp.classes_unchanged():
         return None
     managers = coordinator.single_type_managers
-    if (_hybrid_managers_served(hp, managers) != 1
+    served[0] = _hybrid_managers_served(hp, managers)
+    if (not served[0]
             or not _not_overridden(coordinator, hp.coordinator_names)
             or not _hybrid_coordinator_plain(coordinator, False)
             or type(request.request_id) is not str or type(request.num_prompt_tokens) is not int):
@@ -99,35 +103,26 @@ cdef bint _full_group_cache_native(_HybridStep hp, _AllocateSlotsFastPath fp, mg
     return _cache_group_native(fp, mgr, request, request.request_id, n_cacheable)
 
 
-cdef bint _hybrid_caches_nothing(_HybridStep hp, _AllocateSlotsFastPath fp, coordinator,
-                                 request, long long n) except -1:
-    """The classes and instances are vLLM's as the idle step requires
-    (:func:`_hybrid_step_idle`'s first checks), and every group with ``enable_caching``
-    caches nothing for ``get_num_cacheable_tokens(n)`` tokens
-    (:func:`_group_caches_nothing`); False otherwise."""
+cdef bint _hybrid_caches_nothing(_HybridStep hp, coordinator, request, tuple managers,
+                                 long long n) except -1:
+    """After :func:`_hybrid_cache_prelude` (``managers``): every group with
+    ``enable_caching`` caches nothing for ``get_num_cacheable_tokens(n)`` tokens
+    (:func:`_group_caches_nothing`; the request's ``block_hashes`` a list, its
+    ``num_computed_tokens`` an exact int, which a Mamba group's tail reads); False
+    otherwise."""
     cdef long long sbs, n_cacheable, computed
     cdef Py_ssize_t i, n_hashes
-    if type(request) is not fp.request_cls or not hp.classes_unchanged():
-        return False
-    managers = coordinator.single_type_managers
-    if (not _hybrid_managers_served(hp, managers)
-            or not _not_overridden(coordinator, hp.coordinator_names)
-            or not _hybrid_coordinator_plain(coordinator, False)):
-        return False
     request_id = request.request_id
     block_hashes = request.block_hashes
-    # (replay_boundaries reads num_prompt_tokens; a Mamba group's tail, num_computed_tokens)
-    if (type(request_id) is not str or type(block_hashes) is not list
-            or type(request.num_prompt_tokens) is not int
-            or not _nonneg(request.num_computed_tokens, &computed)):
+    if type(block_hashes) is not list or not _nonneg(request.num_computed_tokens, &computed):
         return False
     n_hashes = len(<list>block_hashes)
     n_cacheable = n
     if coordinator.enable_partial_hash_hits is False:   # (a bool: _hybrid_coordinator_plain)
         _nonneg(coordinator.scheduler_block_size, &sbs)
         n_cacheable = n // sbs * sbs
-    for i in range(len(<tuple>managers)):
-        if not _group_caches_nothing(hp, (<tuple>managers)[i], request, <str>request_id,
+    for i in range(len(managers)):
+        if not _group_caches_nothing(hp, managers[i], request, <str>request_id,
                                      n_cacheable, n_hashes, computed):
             return False
     return True

@@ -172,9 +172,18 @@ cdef object _hybrid_running_step(_AllocateSlotsFastPath fp, manager, request, _S
     object of vLLM's exact class, so reading it twice runs no code twice."""
     cdef _HybridStep hp = _hybrid
     cdef long long free_blocks = 0, to_alloc = 0
+    cdef _HybridTokens t
     try:
-        idle = _hybrid_step_idle(hp, fp, manager, request, s, has_scheduled_reqs,
-                                 delay_cache_blocks, &free_blocks, &to_alloc)
+        pre = _hybrid_step_prelude(hp, fp, manager, request, s, has_scheduled_reqs,
+                                   delay_cache_blocks, &t)
+    except AttributeError:
+        pre = None
+    if pre is None:
+        hp.vllm_steps += 1
+        return _VLLM
+    try:
+        idle = _hybrid_step_idle(hp, fp, manager, request, s, delay_cache_blocks, pre, &t,
+                                 &free_blocks, &to_alloc)
     except AttributeError:
         idle = False
     if not idle:
@@ -192,47 +201,72 @@ cdef object _hybrid_running_step(_AllocateSlotsFastPath fp, manager, request, _S
     return manager.empty_kv_cache_blocks
 
 
-cdef bint _hybrid_step_idle(_HybridStep hp, _AllocateSlotsFastPath fp, manager, request,
-                            _Step* s, bint has_scheduled_reqs, bint delay_cache_blocks,
-                            long long* free_blocks, long long* to_alloc) except -1:
-    """Every group of the step is idle (:func:`_hybrid_group_idle`,
-    :func:`_mamba_group_idle`) and the pool's free count is read natively into
-    ``free_blocks`` (``get_num_free_blocks`` vLLM's: one that is not is vLLM's to call),
-    the groups' ``get_num_blocks_to_allocate`` summed into ``to_alloc``; False
-    otherwise."""
-    cdef long long in_flight, request_tokens, total, main, need, processed, n_cache
-    cdef long long sbs, n_cacheable = -1
-    cdef Py_ssize_t i, n_groups, n_hashes = 0
-    cdef int served
+cdef struct _HybridTokens:
+    # the hybrid step's token counts (vLLM 0.34.0 allocate_slots' arithmetic for a
+    # running request: no new hit, no external tokens)
+    int served                   # _hybrid_managers_served: 1, or 2 with a Mamba group
+    long long in_flight, request_tokens
+    long long main               # computed (capped at max_model_len) + new tokens
+    long long need               # main + lookahead, capped at max_model_len
+    long long processed          # computed less the in-flight tokens, at least 0
+
+
+cdef tuple _hybrid_step_prelude(_HybridStep hp, _AllocateSlotsFastPath fp, manager, request,
+                                _Step* s, bint has_scheduled_reqs, bint delay_cache_blocks,
+                                _HybridTokens* t):
+    """The checks every native hybrid step starts with, read only (the idle test's and
+    the changing step's): the request of the native path's class, the mirrored classes
+    unchanged, a coordinator of served managers (:func:`_hybrid_managers_served`) with
+    no mirrored method on its instance and plain numbers
+    (:func:`_hybrid_coordinator_plain`), a ``str`` request id, the manager's empty
+    ``KVCacheBlocks`` a tuple with one entry per group, and the request's numbers exact
+    ints (:func:`_hybrid_request_numbers`). Returns ``(managers, request_id,
+    empty_blocks)`` with the token counts in ``t``; None when vLLM's code runs the
+    call. AttributeError propagates (the caller's: vLLM's call)."""
+    cdef long long total
     if type(request) is not fp.request_cls or not hp.classes_unchanged():
-        return False
+        return None
     coordinator = manager.coordinator
     managers = coordinator.single_type_managers
-    served = _hybrid_managers_served(hp, managers)   # first: another group type leaves here
-    if (not served
+    t.served = _hybrid_managers_served(hp, managers)   # first: another group type leaves here
+    if (not t.served
             or not _not_overridden(coordinator, hp.coordinator_names)
             or not _hybrid_coordinator_plain(coordinator, delay_cache_blocks)):
-        return False
+        return None
     request_id = request.request_id
     empty_blocks = getattr(manager.empty_kv_cache_blocks, "blocks", None)
     if (type(request_id) is not str
             or type(empty_blocks) is not tuple
             or len(<tuple>empty_blocks) != len(<tuple>managers)
             or not _hybrid_request_numbers(fp, manager, request, s, has_scheduled_reqs,
-                                           &in_flight, &request_tokens)):
-        return False
+                                           &t.in_flight, &t.request_tokens)):
+        return None
+    total = s.computed if s.computed < s.max_len else s.max_len
+    t.main = total + s.new_tokens
+    t.need = t.main + s.lookahead if t.main + s.lookahead < s.max_len else s.max_len
+    t.processed = total - t.in_flight if total > t.in_flight else 0
+    return (managers, request_id, empty_blocks)
+
+
+cdef bint _hybrid_step_idle(_HybridStep hp, _AllocateSlotsFastPath fp, manager, request,
+                            _Step* s, bint delay_cache_blocks, tuple pre, _HybridTokens* t,
+                            long long* free_blocks, long long* to_alloc) except -1:
+    """After :func:`_hybrid_step_prelude` (``pre``, ``t``): every group of the step is
+    idle (:func:`_hybrid_group_idle`, :func:`_mamba_group_idle`) and the pool's free
+    count is read natively into ``free_blocks`` (``get_num_free_blocks`` vLLM's: one
+    that is not is vLLM's to call), the groups' ``get_num_blocks_to_allocate`` summed
+    into ``to_alloc``; False otherwise."""
+    cdef long long n_cache, sbs, n_cacheable = -1
+    cdef Py_ssize_t i, n_groups, n_hashes = 0
+    managers, request_id, empty_blocks = pre
+    coordinator = manager.coordinator
     if not delay_cache_blocks:
         block_hashes = request.block_hashes
         if type(block_hashes) is not list:
             return False
         n_hashes = len(<list>block_hashes)
-    # allocate_slots' arithmetic (a running request: no new hit, no external tokens)
-    total = s.computed if s.computed < s.max_len else s.max_len
-    main = total + s.new_tokens
-    need = main + s.lookahead if main + s.lookahead < s.max_len else s.max_len
-    processed = total - in_flight if total > in_flight else 0
-    n_cache = main if main < request_tokens else request_tokens
-    if served == 2 and not delay_cache_blocks:
+    n_cache = t.main if t.main < t.request_tokens else t.request_tokens
+    if t.served == 2 and not delay_cache_blocks:
         # HybridKVCacheCoordinator.get_num_cacheable_tokens of a group without EAGLE
         # (_hybrid_coordinator_plain: sbs a positive int, the flag a bool)
         n_cacheable = n_cache
@@ -243,11 +277,11 @@ cdef bint _hybrid_step_idle(_HybridStep hp, _AllocateSlotsFastPath fp, manager, 
     for i in range(n_groups):
         mgr = (<tuple>managers)[i]
         if type(mgr) is hp.mamba_cls:
-            if not _mamba_group_idle(hp, mgr, request, <str>request_id, main, processed,
+            if not _mamba_group_idle(hp, mgr, request, <str>request_id, t.main, t.processed,
                                      n_cacheable, n_hashes, s.computed,
                                      (<tuple>empty_blocks)[i], to_alloc):
                 return False
-        elif not _hybrid_group_idle(hp, mgr, <str>request_id, need, processed,
+        elif not _hybrid_group_idle(hp, mgr, <str>request_id, t.need, t.processed,
                                     -1 if delay_cache_blocks else n_cache, n_hashes,
                                     (<tuple>empty_blocks)[i]):
             return False

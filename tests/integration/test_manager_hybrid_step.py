@@ -31,6 +31,11 @@ from tests.integration.test_manager_fast_path import _summary, _vanilla_allocate
 from tests.support.map_view import map_entries
 from tests.support.scheduler import kv_cache_groups, make_request
 
+# Native code reading and changing vLLM's objects (hybrid_step.pxi, hybrid_alloc.pxi,
+# hybrid_cache.pxi): also run under ASan/UBSan and the Py_DEBUG interpreter
+# (scripts/test-sanitizers.sh, scripts/test-debug-python.sh: 1,500 operations per case).
+pytestmark = [pytest.mark.sanitizer, pytest.mark.debug]
+
 BLOCK_SIZE = 16
 NUM_OPS = int(os.environ.get("KVPOOL_MANAGER_DIFF_OPS", "20000"))
 SEED = int(os.environ.get("KVPOOL_DIFF_SEED", "20261204"))
