@@ -26,6 +26,7 @@ import argparse
 import collections
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -83,9 +84,10 @@ def step_shares(raw_lines, top: int = 12) -> dict:
 
 
 def profile(mode: str, workload: str, rounds: int, rate: int, out: Path,
-            model: str | None = None, num_blocks: int | None = None) -> Path:
-    """Record one replay of ``mode`` (of ``model``'s KV cache shape) with py-spy; returns the
-    raw file."""
+            model: str | None = None, num_blocks: int | None = None,
+            replay_args: list[str] | None = None) -> Path:
+    """Record one replay of ``mode`` (of ``model``'s KV cache shape; ``replay_args``: more of
+    the replay's options) with py-spy; returns the raw file."""
     from kvpool.cpu_platform import cpu_environment  # vLLM's CPU platform via kvpool's plugin
 
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
@@ -95,6 +97,7 @@ def profile(mode: str, workload: str, rounds: int, rate: int, out: Path,
            "--rounds", str(rounds), "--no-plot", "--quiet"]
     if model:
         cmd += ["--model", model] + (["--num-blocks", str(num_blocks)] if num_blocks else [])
+    cmd += replay_args or []
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
                    env=cpu_environment(dict(os.environ)))
     return raw
@@ -108,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="vanilla,kvpool,kvpool+contiguous")
     parser.add_argument("--model", help="the replay's --model (its KV cache shape)")
     parser.add_argument("--num-blocks", type=int, help="with --model: the replay's --num-blocks")
+    parser.add_argument("--replay-args", default="",
+                        help="more of the replay's options, one string (e.g. the replay benchmark's "
+                             "serving row: '--scale 0.05 --num-blocks 12000 --block-size 32 "
+                             "--window-steps 400')")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--keep", help="keep the raw profiles in this folder")
     args = parser.parse_args(argv)
@@ -115,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for mode in args.modes.split(","):
-        raw = profile(mode, args.workload, args.rounds, args.rate, out, args.model, args.num_blocks)
+        raw = profile(mode, args.workload, args.rounds, args.rate, out, args.model, args.num_blocks,
+                      shlex.split(args.replay_args))
         results[mode] = step_shares(raw.read_text().splitlines(), args.top)
     for mode, r in results.items():
         print(f"== {mode}: {r['step_samples']} step samples; under KVCacheManager "

@@ -51,6 +51,11 @@ WORKLOADS = {
     "pd_async": (ROUNDS, lambda: workloads.pd_async(rounds=ROUNDS, scale=SCALE)),
     "pd_prefill": (ROUNDS, lambda: workloads.pd(rounds=ROUNDS, scale=SCALE).prefill),
     "serving": (ROUNDS, lambda: workloads.serving(rounds=ROUNDS, window_steps=400, scale=SCALE)),
+    # serving at the replay's default scale on the dense shape (one full-attention
+    # group, POOL): the dense row beside the hybrid shapes' below (issue 36: each shape
+    # <= 0.7x on the serving workload), where "serving" above is its prefill-heavy
+    # variant at SCALE
+    "serving_dense": (2 * ROUNDS, lambda: workloads.serving(rounds=2 * ROUNDS, window_steps=400)),
     # serving on a hybrid model's KV cache groups as vLLM resolves them (full attention
     # + sliding window: docs/replay.md, "Model shapes"), POOL.num_blocks blocks, at the
     # replay's default scale (outputs of 64-1,024 tokens: at SCALE, 3-51, every step

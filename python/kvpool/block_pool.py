@@ -174,15 +174,18 @@ class BlockPool(VllmBlockPool):
         """
         if not self._kvpool_init or type(self.free_block_queue) is not FreeKVCacheBlockQueue:
             return VllmBlockPool.get_new_blocks(self, num_blocks)
-        context = self._table_context   # (set by kvpool's native manager path)
+        # (manager, request_id), set by kvpool's native manager path around its own
+        # allocation, or (manager, request_id, expected tokens) around vLLM's
+        # allocate_slots on a one-group model: what table_of_caller would find
+        context = self._table_context
         if context is None and self._policy.manager_hooks:
-            found = table_of_caller(sys._getframe(1))
-            if found is not None:
-                manager, request_id, expected = found
+            context = table_of_caller(sys._getframe(1))
+        if context is not None:
+            if len(context) == 3:
+                manager, request_id, expected = context
                 if expected is not None:
                     self._policy.expect_tokens(request_id, expected)
-                context = (manager, request_id)
-        if context is not None:
+                return self._policy.extend_table(self, num_blocks, manager, request_id)
             return self._policy.extend_table(self, num_blocks, *context)
         if _GET_NEW_BLOCKS_CALLS.needs_vllm_loop(self):   # (= self._needs_vllm_loop())
             blocks = self._take(num_blocks)

@@ -474,11 +474,54 @@ def kv_cache_manager_allocate_slots(
     if result is not _VLLM:
         return result
     _fast_path.vllm_calls += 1
-    return _fast_path.vanilla(self, request, num_new_tokens, num_new_computed_tokens,
-                              new_computed_blocks, num_lookahead_tokens,
-                              num_external_computed_tokens, delay_cache_blocks,
-                              num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
-                              has_scheduled_reqs, *args, **kwargs)
+    context = _vllm_call_table(_fast_path, self, request) if _fast_path.manager_hooks else None
+    if context is None:
+        return _fast_path.vanilla(self, request, num_new_tokens, num_new_computed_tokens,
+                                  new_computed_blocks, num_lookahead_tokens,
+                                  num_external_computed_tokens, delay_cache_blocks,
+                                  num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
+                                  has_scheduled_reqs, *args, **kwargs)
+    pool = (<tuple>context)[0]
+    outer = pool._table_context
+    pool._table_context = (<tuple>context)[1]
+    try:
+        return _fast_path.vanilla(self, request, num_new_tokens, num_new_computed_tokens,
+                                  new_computed_blocks, num_lookahead_tokens,
+                                  num_external_computed_tokens, delay_cache_blocks,
+                                  num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
+                                  has_scheduled_reqs, *args, **kwargs)
+    finally:
+        pool._table_context = outer
+
+
+cdef tuple _vllm_call_table(_AllocateSlotsFastPath fp, manager, request):
+    """For vLLM's own ``allocate_slots`` on a one-group full-attention model (a waiting
+    request's, a new prefix hit's): ``(pool, (mgr, request_id, expected_tokens))``, the
+    table every allocation of that call extends, as
+    :func:`kvpool.allocation.base.table_of_caller` would find it in the call's frames
+    (the one ``FullAttentionManager``'s ``allocate_new_blocks`` /
+    ``allocate_external_computed_blocks`` for ``request.request_id``; ``expected_tokens``
+    ``num_prompt_tokens + max_tokens`` when both are ints, else None), for the pool to
+    read as ``_table_context`` instead of walking the frames on each allocation; None
+    where the call's classes or instances are not vLLM's (:func:`_eligible`), the model
+    has several groups or the pool is not kvpool's (the pool then walks the frames)."""
+    if not fp.enabled:
+        return None
+    try:
+        mgr = _eligible(fp, fp.allocate_entry, manager, None)
+        if mgr is None or mgr is _HYBRID or mgr is _CACHING_OFF:
+            return None
+        pool = mgr.block_pool
+    except AttributeError:   # (an attribute deleted: vLLM's call reads it, or not)
+        return None
+    # (read as table_of_caller reads them: never raising before vLLM's call)
+    request_id = getattr(request, "request_id", None)
+    if type(request_id) is not str or not getattr(pool, "_kvpool_init", False):
+        return None
+    prompt = getattr(request, "num_prompt_tokens", None)
+    max_tokens = getattr(request, "max_tokens", None)
+    expected = prompt + max_tokens if type(prompt) is int and type(max_tokens) is int else None
+    return (pool, (mgr, request_id, expected))
 
 
 cdef object _VLLM = object()   # "this call is vLLM's": nothing has been changed yet

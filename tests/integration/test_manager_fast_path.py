@@ -1006,21 +1006,31 @@ def test_contiguous_policy_with_native_allocate_slots_matches_its_python_path(mo
     """Under ``allocation="contiguous"`` the native path does what the policy's manager
     hooks do (expected length, the table's context for the pool's allocation): every
     step equals the same policy with ``KVPOOL_PYTHON_MANAGER=1`` (vLLM's Python
-    through the hooks)."""
+    through the hooks, the pool finding each table in the frames). The calls the
+    native path hands to vLLM's ``allocate_slots`` (waiting requests, new hits) give
+    the pool the table up front: no frame walk."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
+    from kvpool import block_pool
+
+    walks = []
+    walk = block_pool.table_of_caller
+    monkeypatch.setattr(block_pool, "table_of_caller", lambda frame: walks.append(1) or walk(frame))
     monkeypatch.setenv("KVPOOL_PYTHON_MANAGER", "1")
     kvpool.install(allocation="contiguous")
     assert KVCacheManager.allocate_slots is not _core.kv_cache_manager_allocate_slots
     python_path = _scheduler_trace(600, 300, SEED + 1)
     kvpool.uninstall()
+    assert walks
     monkeypatch.delenv("KVPOOL_PYTHON_MANAGER")
     kvpool.install(allocation="contiguous")
     assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
     fast, slow = _calls()
+    del walks[:]
     native = _scheduler_trace(600, 300, SEED + 1)
     fast_after, slow_after = _calls()
     assert fast_after - fast > 3 * (slow_after - slow) > 0
+    assert walks == []
     for i, (a, b) in enumerate(zip(python_path, native)):
         assert a == b, f"step {i}"
 
