@@ -504,9 +504,11 @@ cdef tuple _vllm_call_table(_AllocateSlotsFastPath fp, manager, request):
     ``num_prompt_tokens + max_tokens`` when both are ints, else None), for the pool to
     read as ``_table_context`` instead of walking the frames on each allocation; None
     where the call's classes or instances are not vLLM's (:func:`_eligible`), the model
-    has several groups or the pool is not kvpool's (the pool then walks the frames)."""
-    if not fp.enabled:
-        return None
+    has several groups, the request is not of vLLM's ``Request`` class (the native
+    path's: its attributes read as plainly as the native step reads them) or the pool
+    is not kvpool's (the pool then walks the frames)."""
+    if not fp.enabled or (fp.request_cls is not None and type(request) is not fp.request_cls):
+        return None   # (another request class: its attributes may run code; the frames)
     try:
         mgr = _eligible(fp, fp.allocate_entry, manager, None)
         if mgr is None or mgr is _HYBRID or mgr is _CACHING_OFF:

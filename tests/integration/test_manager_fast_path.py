@@ -1056,3 +1056,53 @@ def test_a_patched_request_property_sends_calls_to_vllm(monkeypatch):
                 assert _calls() == (fast, slow + 1)
         counts.append(len(seen))
     assert counts[0] == counts[1] > 0
+
+
+def test_the_table_given_to_vllm_s_call_is_its_request_s_and_is_cleared_after_it(monkeypatch):
+    """Under ``allocation="contiguous"`` a call the native path hands to vLLM's
+    ``allocate_slots`` (a new request's) tells the pool the table up front: the
+    policy's ``extend_table`` gets the manager's one group and the request, the pool
+    its expected length (prompt + max_tokens). The pool's context is cleared after the
+    call, also when an allocation raises; a request of another class is found in the
+    frames, as before."""
+    from vllm.v1.request import Request
+
+    from kvpool import block_pool
+    from kvpool.allocation.contiguous import ContiguousPolicy
+
+    walks, seen = [], []
+    walk = block_pool.table_of_caller
+    monkeypatch.setattr(block_pool, "table_of_caller", lambda frame: walks.append(1) or walk(frame))
+    extend = ContiguousPolicy.extend_table
+
+    def extend_table(self, pool, num_blocks, manager, request_id):
+        seen.append((manager, request_id, self.expected_tokens.get(request_id)))
+        if request_id == "boom":
+            raise RuntimeError("boom")
+        return extend(self, pool, num_blocks, manager, request_id)
+
+    monkeypatch.setattr(ContiguousPolicy, "extend_table", extend_table)
+    kvpool.install(allocation="contiguous")
+    try:
+        manager = _manager(64)
+        mgr = manager.coordinator.single_type_managers[0]
+        pool = manager.block_pool
+        fast, slow = _calls()
+        req = make_request("a", list(range(1, 41)), max_tokens=100, block_size=BLOCK_SIZE)
+        assert manager.allocate_slots(req, 40) is not None
+        assert _calls() == (fast, slow + 1)   # vLLM's call (a new request)
+        assert seen == [(mgr, "a", 140)] and walks == [] and pool._table_context is None
+        boom = make_request("boom", list(range(1, 41)), max_tokens=8, block_size=BLOCK_SIZE)
+        with pytest.raises(RuntimeError, match="boom"):
+            manager.allocate_slots(boom, 40)
+        assert seen[-1] == (mgr, "boom", 48) and walks == [] and pool._table_context is None
+
+        class OtherRequest(Request):
+            pass
+
+        other = make_request("b", list(range(1, 41)), max_tokens=100, block_size=BLOCK_SIZE)
+        other.__class__ = OtherRequest
+        assert manager.allocate_slots(other, 40) is not None
+        assert seen[-1] == (mgr, "b", 140) and len(walks) == 1 and pool._table_context is None
+    finally:
+        kvpool.uninstall()
