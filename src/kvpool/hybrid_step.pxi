@@ -187,8 +187,9 @@ cdef object _hybrid_running_step(_AllocateSlotsFastPath fp, manager, request, _S
     except AttributeError:
         idle = False
     if not idle:
-        result = _hybrid_step_changes(hp, fp, manager, request, s, has_scheduled_reqs,
-                                      delay_cache_blocks)
+        # (a Mamba group's changing step is vLLM's: nothing read again before its call)
+        result = _VLLM if t.served != 1 else _hybrid_step_changes(
+            hp, fp, manager, request, s, has_scheduled_reqs, delay_cache_blocks)
         if result is _VLLM:
             hp.vllm_steps += 1
         return result

@@ -162,6 +162,19 @@ cdef class _AllocateSlotsFastPath:
             self.tags[4] = kvpool_type_tag(<PyObject*>self.request_cls)
         return True
 
+    cdef bint classes_verified(self):
+        """:meth:`classes_unchanged` as far as it runs no code: True only when the
+        classes' version tags still match those of their last verified state (no
+        ``getattr`` of a patched attribute, whose descriptor could run Python code)."""
+        cdef object no_cache = self.no_prefix_cache_cls
+        return (_namespace_entries_are(self.step_checks)
+                and self.tags[0] != 0 and kvpool_type_tag(<PyObject*>self.manager_cls) == self.tags[0]
+                and kvpool_type_tag(<PyObject*>self.coordinator_cls) == self.tags[1]
+                and kvpool_type_tag(<PyObject*>self.full_attention_cls) == self.tags[2]
+                and (no_cache is None or kvpool_type_tag(<PyObject*>no_cache) == self.tags[3])
+                and (self.request_cls is None
+                     or kvpool_type_tag(<PyObject*>self.request_cls) == self.tags[4]))
+
     cdef bint cache_path_unchanged(self):
         """The same for what the native cache_blocks and eviction skip: kvpool's pool
         class (and vLLM's, its base), kvpool's hash map class, and the functions of
@@ -475,15 +488,18 @@ def kv_cache_manager_allocate_slots(
         return result
     _fast_path.vllm_calls += 1
     context = _vllm_call_table(_fast_path, self, request) if _fast_path.manager_hooks else None
-    if context is None:
+    if context is None and _context_pool is None:
         return _fast_path.vanilla(self, request, num_new_tokens, num_new_computed_tokens,
                                   new_computed_blocks, num_lookahead_tokens,
                                   num_external_computed_tokens, delay_cache_blocks,
                                   num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
                                   has_scheduled_reqs, *args, **kwargs)
-    pool = (<tuple>context)[0]
-    outer = pool._table_context
-    pool._table_context = (<tuple>context)[1]
+    # The table for the pool (or, for a call inside one that set it, none: the enclosing
+    # call's table is not this call's)
+    if context is None:
+        state = _enter_table_context(None, None)
+    else:
+        state = _enter_table_context((<tuple>context)[0], (<tuple>context)[1])
     try:
         return _fast_path.vanilla(self, request, num_new_tokens, num_new_computed_tokens,
                                   new_computed_blocks, num_lookahead_tokens,
@@ -491,7 +507,43 @@ def kv_cache_manager_allocate_slots(
                                   num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
                                   has_scheduled_reqs, *args, **kwargs)
     finally:
-        pool._table_context = outer
+        _exit_table_context(state)
+
+
+# The kvpool pool whose _table_context kvpool set last (the innermost call that set one),
+# or None: a call inside it that sets none hides it (_enter_table_context).
+cdef object _context_pool = None
+
+
+cdef tuple _enter_table_context(pool, context):
+    """``pool._table_context = context`` (``pool`` kvpool's exact ``BlockPool``, or None:
+    set nothing), the context an enclosing call set hidden (None) until
+    :func:`_exit_table_context`, so that the pool never reads another call's table.
+    Returns what the exit restores."""
+    global _context_pool
+    outer_pool = _context_pool
+    outer = None
+    if outer_pool is not None:
+        outer = outer_pool._table_context
+        outer_pool._table_context = None
+    before = None
+    if pool is not None:
+        before = pool._table_context
+        pool._table_context = context
+    _context_pool = pool
+    return (outer_pool, outer, pool, before)
+
+
+cdef int _exit_table_context(tuple state) except -1:
+    """Undo :func:`_enter_table_context` (``state``: its result), innermost first."""
+    global _context_pool
+    outer_pool, outer, pool, before = state
+    if pool is not None:
+        pool._table_context = before
+    if outer_pool is not None:
+        outer_pool._table_context = outer
+    _context_pool = outer_pool
+    return 0
 
 
 cdef tuple _vllm_call_table(_AllocateSlotsFastPath fp, manager, request):
@@ -506,9 +558,13 @@ cdef tuple _vllm_call_table(_AllocateSlotsFastPath fp, manager, request):
     where the call's classes or instances are not vLLM's (:func:`_eligible`), the model
     has several groups, the request is not of vLLM's ``Request`` class (the native
     path's: its attributes read as plainly as the native step reads them) or the pool
-    is not kvpool's (the pool then walks the frames)."""
-    if not fp.enabled or (fp.request_cls is not None and type(request) is not fp.request_cls):
-        return None   # (another request class: its attributes may run code; the frames)
+    is not kvpool's exact ``BlockPool`` (the pool then walks the frames; and where
+    checking the classes would run a patched attribute's code)."""
+    if (not fp.enabled or (fp.request_cls is not None and type(request) is not fp.request_cls)
+            or fp.pool_cls is None or not fp.classes_verified()):
+        # (another request class: its attributes may run code; classes whose check would
+        # run a patched attribute's descriptor: the pool walks the frames)
+        return None
     try:
         mgr = _eligible(fp, fp.allocate_entry, manager, None)
         if mgr is None or mgr is _HYBRID or mgr is _CACHING_OFF:
@@ -518,7 +574,8 @@ cdef tuple _vllm_call_table(_AllocateSlotsFastPath fp, manager, request):
         return None
     # (read as table_of_caller reads them: never raising before vLLM's call)
     request_id = getattr(request, "request_id", None)
-    if type(request_id) is not str or not getattr(pool, "_kvpool_init", False):
+    if (type(request_id) is not str or type(pool) is not fp.pool_cls
+            or pool._kvpool_init is not True):   # (kvpool's exact pool: plain attributes)
         return None
     prompt = getattr(request, "num_prompt_tokens", None)
     max_tokens = getattr(request, "max_tokens", None)
@@ -731,12 +788,11 @@ cdef object _extend_table(_AllocateSlotsFastPath fp, mgr, str request_id, long l
     if fp.manager_hooks and getattr(pool, "_kvpool_init", False):
         # The pool's table context (a C frame has no locals for
         # kvpool.allocation.base.table_of_caller to find).
-        outer = pool._table_context
-        pool._table_context = (mgr, request_id)
+        state = _enter_table_context(pool, (mgr, request_id))
         try:
             new_blocks = pool.get_new_blocks(to_alloc)
         finally:
-            pool._table_context = outer
+            _exit_table_context(state)
     else:
         new_blocks = pool.get_new_blocks(to_alloc)
     table.extend(new_blocks)

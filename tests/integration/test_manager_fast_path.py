@@ -20,6 +20,7 @@ import contextlib
 import inspect
 import os
 import random
+import sys
 
 import pytest
 import torch
@@ -1106,3 +1107,99 @@ def test_the_table_given_to_vllm_s_call_is_its_request_s_and_is_cleared_after_it
         assert seen[-1] == (mgr, "b", 140) and len(walks) == 1 and pool._table_context is None
     finally:
         kvpool.uninstall()
+
+
+@pytest.mark.parametrize("inner_kind", ["another request class", "an int request_id"])
+def test_a_call_inside_vllm_s_call_does_not_take_the_outer_call_s_table(inner_kind):
+    """A call to ``allocate_slots`` made while vLLM's call for another request runs (here
+    from Python code vLLM's arithmetic runs: an int subclass's ``__add__``) and whose
+    table the pool is not told (a request of another class, an id that is not a str)
+    must not get the enclosing call's table: the pool finds its table in the frames, as
+    without kvpool's context, and the outer request's table is the same as then."""
+    from vllm.v1.request import Request
+
+    from kvpool.allocation.base import table_of_caller
+    from kvpool.allocation.contiguous import ContiguousPolicy
+
+    class OtherRequest(Request):
+        pass
+
+    def tables(outer_walks: bool):
+        seen = []
+        extend = ContiguousPolicy.extend_table
+
+        def extend_table(self, pool, num_blocks, manager, request_id):
+            walk = table_of_caller(sys._getframe(2))
+            seen.append((request_id, None if walk is None else walk[1]))
+            return extend(self, pool, num_blocks, manager, request_id)
+
+        ContiguousPolicy.extend_table = extend_table
+        kvpool.install(allocation="contiguous")
+        try:
+            manager = _manager(64)
+            inner = make_request("b", list(range(1, 41)), max_tokens=8, block_size=BLOCK_SIZE)
+            if inner_kind == "an int request_id":
+                inner.request_id = 7
+            else:
+                inner.__class__ = OtherRequest
+
+            class Nesting(int):
+                fired = False
+
+                def __add__(self, other):
+                    if not Nesting.fired:
+                        Nesting.fired = True
+                        manager.allocate_slots(inner, 40)
+                    return int(self) + other
+
+            outer = make_request("a", list(range(1, 41)), max_tokens=100, block_size=BLOCK_SIZE)
+            if outer_walks:
+                outer.__class__ = OtherRequest
+            outer.num_computed_tokens = Nesting(0)
+            assert manager.allocate_slots(outer, 40) is not None
+            mgr = manager.coordinator.single_type_managers[0]
+            assert manager.block_pool._table_context is None
+            return seen, {rid: [b.block_id for b in blocks] for rid, blocks in mgr.req_to_blocks.items()}
+        finally:
+            kvpool.uninstall()
+            ContiguousPolicy.extend_table = extend
+
+    told, told_tables = tables(outer_walks=False)
+    walked, walked_tables = tables(outer_walks=True)
+    # every allocation extends the table the frames name (the inner one: b's, or none)
+    # every allocation that extends a table extends the one the frames name (b's; an int
+    # id names none: a plain allocation), a's once
+    assert all(rid == walk for rid, walk in told) and [rid for rid, _ in told].count("a") == 1
+    assert told == walked and told_tables == walked_tables and len(told_tables) == 2
+
+
+def test_the_table_is_given_only_to_kvpool_s_own_pool_object():
+    """A single-type manager whose ``block_pool`` is another object (a proxy that logs
+    every attribute access) gets no table context: the proxy sees only what vLLM's call
+    reads, and an error its ``__getattr__`` raises for kvpool's attributes cannot
+    surface."""
+    log = []
+
+    class PoolProxy:
+        def __init__(self, pool):
+            object.__setattr__(self, "_pool", pool)
+
+        def __getattr__(self, name):
+            log.append(name)
+            if name.startswith(("_kvpool", "_table")):
+                raise RuntimeError(f"proxy: {name}")
+            return getattr(object.__getattribute__(self, "_pool"), name)
+
+        def __setattr__(self, name, value):
+            log.append("set " + name)
+            setattr(object.__getattribute__(self, "_pool"), name, value)
+
+    kvpool.install(allocation="contiguous")
+    try:
+        manager = _manager(64)
+        manager.coordinator.single_type_managers[0].block_pool = PoolProxy(manager.block_pool)
+        req = make_request("a", list(range(1, 41)), max_tokens=100, block_size=BLOCK_SIZE)
+        assert manager.allocate_slots(req, 40).get_block_ids() == ([1, 2, 3],)
+    finally:
+        kvpool.uninstall()
+    assert "get_new_blocks" in log and not [n for n in log if "_kvpool" in n or "_table" in n]
