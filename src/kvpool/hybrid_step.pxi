@@ -163,10 +163,13 @@ cdef object _hybrid_running_step(_AllocateSlotsFastPath fp, manager, request, _S
                                  bint has_scheduled_reqs, bint delay_cache_blocks):
     """vLLM 0.34.0's ``KVCacheManager.allocate_slots`` for a running request under
     ``HybridKVCacheCoordinator`` (the manager already checked by :func:`_eligible`, the
-    arguments by :func:`_step_arguments`) when every group is idle
-    (:func:`_hybrid_step_idle`): the manager's ``empty_kv_cache_blocks``, or None when
-    the watermark / reserved blocks refuse the step as vLLM's free-count check does;
-    _VLLM otherwise, before anything is changed. An attribute missing where the step
+    arguments by :func:`_step_arguments`), after the checks of
+    :func:`_hybrid_step_prelude`: when every group is idle (:func:`_hybrid_step_idle`)
+    the manager's ``empty_kv_cache_blocks``, or None when the watermark / reserved
+    blocks refuse the step as vLLM's free-count check does; on a full + sliding-window
+    model a step that frees, allocates or caches is :func:`_hybrid_step_changes`'s;
+    _VLLM otherwise (a Mamba group's changing step), before anything is changed. An
+    attribute missing where the step
     reads one (a test's or a plugin's deletion) also leaves the call to vLLM's code,
     which reads it, or not, as it does: every read here is a plain attribute of an
     object of vLLM's exact class, so reading it twice runs no code twice."""
