@@ -23,6 +23,9 @@ cdef object _hybrid_cache_blocks(_AllocateSlotsFastPath fp, coordinator, request
         managers = _hybrid_cache_prelude(hp, fp, coordinator, request, &served)
         nothing = managers is not None and _hybrid_caches_nothing(hp, coordinator, request,
                                                                    <tuple>managers, n)
+        if managers is not None and not nothing and served == 1:
+            # read again: the test between read pool attributes (as the changing step does)
+            managers = _hybrid_cache_prelude(hp, fp, coordinator, request, &served)
     except AttributeError:
         managers, nothing = None, False
     if nothing:
