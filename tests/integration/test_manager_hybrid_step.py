@@ -33,11 +33,12 @@ from tests.support.scheduler import kv_cache_groups, make_request
 
 # Native code reading and changing vLLM's objects (hybrid_step.pxi, hybrid_alloc.pxi,
 # hybrid_cache.pxi): also run under ASan/UBSan and the Py_DEBUG interpreter
-# (scripts/test-sanitizers.sh, scripts/test-debug-python.sh: 1,500 operations per case).
+# (scripts/test-sanitizers.sh: 1,500 operations per case; scripts/test-debug-python.sh: 500).
 pytestmark = [pytest.mark.sanitizer, pytest.mark.debug]
 
 BLOCK_SIZE = 16
-NUM_OPS = int(os.environ.get("KVPOOL_MANAGER_DIFF_OPS", "20000"))
+# (KVPOOL_HYBRID_DIFF_OPS: this file's own setting, for the debug interpreter's short run)
+NUM_OPS = int(os.environ.get("KVPOOL_HYBRID_DIFF_OPS", os.environ.get("KVPOOL_MANAGER_DIFF_OPS", "20000")))
 SEED = int(os.environ.get("KVPOOL_DIFF_SEED", "20261204"))
 PREFIXES = [list(range(7_000 * g, 7_000 * g + n)) for g, n in enumerate((48, 100, 160))]
 
