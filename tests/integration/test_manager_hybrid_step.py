@@ -272,7 +272,7 @@ def test_code_run_by_a_free_gives_vllms_outcome():
     reads next, or raises) could change what vLLM's code reads between the step's
     phases: such a pool's changing steps are vLLM's from the start, the idle ones stay
     native, and every outcome and the managers' states are vLLM's."""
-    counts = _run(4_000, 300, 0, SEED + 11, windows=((40, 0), (100, 5)), setup=_hostile_frees)
+    counts = _run(min(4_000, NUM_OPS // 5), 300, 0, SEED + 11, windows=((40, 0), (100, 5)), setup=_hostile_frees)
     assert counts["vllm_steps"] > 0 and counts["native_changes"] == 0 < counts["native_steps"]
 
 
@@ -284,7 +284,7 @@ def _watched(manager) -> None:
 
 @needs_known_release
 def test_a_pool_whose_calls_run_callbacks_keeps_vllms_changing_steps():
-    counts = _run(2_000, 300, 0, SEED + 13, windows=((40, 0),), setup=_watched)
+    counts = _run(min(2_000, NUM_OPS // 10), 300, 0, SEED + 13, windows=((40, 0),), setup=_watched)
     assert counts["vllm_steps"] > 0 and counts["native_changes"] == 0
 
 
@@ -292,7 +292,7 @@ def test_a_pool_whose_calls_run_callbacks_keeps_vllms_changing_steps():
 def test_a_group_of_another_type_keeps_vllms_step():
     """A chunked-local group beside them: no step is answered natively (its manager's
     step is vLLM's), and the managers stay identical."""
-    counts = _run(2_000, 600, 3, SEED)
+    counts = _run(min(2_000, NUM_OPS // 10), 600, 3, SEED)
     assert counts["native_steps"] == 0 < counts["vllm_steps"]
 
 
