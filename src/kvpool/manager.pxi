@@ -143,12 +143,7 @@ cdef class _AllocateSlotsFastPath:
         cdef object no_cache = self.no_prefix_cache_cls
         if not _namespace_entries_are(self.step_checks):
             return False
-        if (self.tags[0] != 0 and kvpool_type_tag(<PyObject*>self.manager_cls) == self.tags[0]
-                and kvpool_type_tag(<PyObject*>self.coordinator_cls) == self.tags[1]
-                and kvpool_type_tag(<PyObject*>self.full_attention_cls) == self.tags[2]
-                and (no_cache is None or kvpool_type_tag(<PyObject*>no_cache) == self.tags[3])
-                and (self.request_cls is None
-                     or kvpool_type_tag(<PyObject*>self.request_cls) == self.tags[4])):
+        if self.tags_match():
             return True
         if not _resolve_to(self.class_checks):
             self.tags[0] = 0
@@ -162,18 +157,21 @@ cdef class _AllocateSlotsFastPath:
             self.tags[4] = kvpool_type_tag(<PyObject*>self.request_cls)
         return True
 
-    cdef bint classes_verified(self):
-        """:meth:`classes_unchanged` as far as it runs no code: True only when the
-        classes' version tags still match those of their last verified state (no
-        ``getattr`` of a patched attribute, whose descriptor could run Python code)."""
+    cdef inline bint tags_match(self):
+        """The classes' version tags are those of their last verified state."""
         cdef object no_cache = self.no_prefix_cache_cls
-        return (_namespace_entries_are(self.step_checks)
-                and self.tags[0] != 0 and kvpool_type_tag(<PyObject*>self.manager_cls) == self.tags[0]
+        return (self.tags[0] != 0 and kvpool_type_tag(<PyObject*>self.manager_cls) == self.tags[0]
                 and kvpool_type_tag(<PyObject*>self.coordinator_cls) == self.tags[1]
                 and kvpool_type_tag(<PyObject*>self.full_attention_cls) == self.tags[2]
                 and (no_cache is None or kvpool_type_tag(<PyObject*>no_cache) == self.tags[3])
                 and (self.request_cls is None
                      or kvpool_type_tag(<PyObject*>self.request_cls) == self.tags[4]))
+
+    cdef bint classes_verified(self):
+        """:meth:`classes_unchanged` as far as it runs no code: True only when the
+        classes' version tags still match those of their last verified state (no
+        ``getattr`` of a patched attribute, whose descriptor could run Python code)."""
+        return _namespace_entries_are(self.step_checks) and self.tags_match()
 
     cdef bint cache_path_unchanged(self):
         """The same for what the native cache_blocks and eviction skip: kvpool's pool
