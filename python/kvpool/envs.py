@@ -187,6 +187,8 @@ SCRIPT_VARIABLES: dict[str, str] = {
     "KVPOOL_DIFF_OPS": "tests: operations of the long differential (default 10000)",
     "KVPOOL_DIFF_SEED": "tests: seed of the differentials",
     "KVPOOL_MANAGER_DIFF_OPS": "tests: operations of the KV cache manager differential (default 20000)",
+    "KVPOOL_HYBRID_DIFF_OPS": ("tests: operations of the hybrid step's differential "
+                               "(default: KVPOOL_MANAGER_DIFF_OPS)"),
     "KVPOOL_SCHED_DIFF_STEPS": "tests: engine steps of the scheduler-level differential (default 10000)",
     "KVPOOL_POLICY_DIFF_OPS": "tests: operations of the policy differential (default 20000)",
     "KVPOOL_LEAK_OPS": "tests: operations of the leak check (default 100000)",
