@@ -68,18 +68,28 @@ WORKLOADS = {
     # (docs/performance.md, "Hybrid models").
     "serving_qwen3_next": (ROUNDS, lambda: _on_model(workloads.serving(rounds=ROUNDS, window_steps=400),
                                                      "Qwen/Qwen3-Next-80B-A3B-Instruct")),
+    # ... and with prefix caching off (the replay's --prefix-caching off): vLLM's
+    # KVCacheCoordinatorNoPrefixCache, the Mamba groups in mamba_cache_mode="none" (one
+    # state block of max_model_len tokens per request and group)
+    "serving_qwen3_next_no_cache": (ROUNDS, lambda: _on_model(
+        workloads.serving(rounds=ROUNDS, window_steps=400), "Qwen/Qwen3-Next-80B-A3B-Instruct",
+        prefix_caching=False)),
 }
 #: benchmark impl -> the replay's mode.
 MODES = {"vllm": "vanilla", "kvpool": "kvpool", "kvpool_contiguous": "kvpool+contiguous"}
 
 
-def _on_model(wl, model: str):
-    """``wl`` as ``python -m kvpool replay --model MODEL`` runs it."""
-    return replace(wl, engine=replace(wl.engine, model=model))
+def _on_model(wl, model: str, prefix_caching: bool | None = None):
+    """``wl`` as ``python -m kvpool replay --model MODEL`` runs it (``--prefix-caching
+    off`` for ``prefix_caching=False``)."""
+    engine = replace(wl.engine, model=model)
+    if prefix_caching is not None:
+        engine = replace(engine, enable_prefix_caching=prefix_caching)
+    return replace(wl, engine=engine)
 
 
 #: The WORKLOADS run on a model's own KV cache groups (``--model``) -> their blocks.
-MODEL_SHAPES = {"serving_gpt_oss": POOL.num_blocks, "serving_qwen3_next": 321}
+MODEL_SHAPES = {"serving_gpt_oss": POOL.num_blocks, "serving_qwen3_next": 321, "serving_qwen3_next_no_cache": 321}
 
 
 def _pool(name: str, wl) -> PoolSpec:

@@ -90,7 +90,8 @@ def describe() -> str:
                      + _manager_path_state())
         lines.append("native running step of hybrid models (full attention + sliding window): "
                      + _hybrid_step_state())
-        lines.append("... and the idle step of their Mamba groups (mamba_cache_mode=align): "
+        lines.append("... and the idle step of their Mamba groups (mamba_cache_mode align, or none "
+                     "with prefix caching off): "
                      + _hybrid_step_state(mamba=True))
     return "\n".join(lines)
 

@@ -65,27 +65,33 @@ cdef Py_ssize_t _removal_end(list blocks, long long n_skip, object null_block) e
 
 
 cdef bint _hybrid_groups_ready(_HybridStep hp, tuple managers, str request_id,
-                               tuple empty_blocks, pool, long long processed,
-                               list tables, vector[long long]& sizes,
-                               vector[long long]& skips) except -1:
+                               tuple empty_blocks, pool, _HybridTokens* t,
+                               long long computed, list tables, vector[long long]& sizes,
+                               vector[long long]& skips, vector[long long]& floors) except -1:
     """Every group of a full + sliding-window coordinator is one the step reads plainly
     (:func:`_hybrid_group_ready`) on ``pool``, its ``_record_new_block_ids`` a bool and
     ``new_block_ids`` a list, and a sliding window's blocks to free
     compare with its null block without running Python code (:func:`_removal_end`):
     its table appended to ``tables``, its block size and the number of blocks its
-    removal walk starts from (0: nothing to free) to ``sizes`` / ``skips``. False:
-    vLLM's code runs the call."""
-    cdef long long bs, n_cached, n_skip
+    removal walk starts from (0: nothing to free) to ``sizes`` / ``skips``, and to
+    ``floors`` the table length below which vLLM's ``get_num_blocks_to_allocate`` does
+    not count (0; with prefix caching off, for a request without a ``num_cached_block``
+    entry, the blocks ``get_num_skipped_tokens(computed)`` skips). False: vLLM's code
+    runs the call."""
+    cdef long long bs, n_cached, n_skip, n_floor
     cdef Py_ssize_t i
     for i in range(len(managers)):
         mgr = managers[i]
-        blocks = _hybrid_group_ready(hp, mgr, request_id, empty_blocks[i], &bs, &n_cached)
+        blocks = _hybrid_group_ready(hp, mgr, request_id, empty_blocks[i], &bs, &n_cached,
+                                     t.no_prefix)
         if (blocks is None or mgr.block_pool is not pool
                 or type(mgr._record_new_block_ids) is not bool or type(mgr.new_block_ids) is not list):
             return False
-        n_skip = 0
+        n_skip = n_floor = 0
         if type(mgr) is hp.sliding_window_cls:
-            if not _sliding_skip(mgr, processed, bs, len(<list>blocks), &n_skip):
+            if not _sliding_skip(mgr, t.processed, bs, len(<list>blocks), &n_skip):
+                return False
+            if n_cached < 0 and not _sliding_skip(mgr, computed, bs, _NATIVE_INT_LIMIT, &n_floor):
                 return False
             if n_skip > 0:
                 null_block = mgr._null_block
@@ -97,6 +103,7 @@ cdef bint _hybrid_groups_ready(_HybridStep hp, tuple managers, str request_id,
         tables.append(blocks)
         sizes.push_back(bs)
         skips.push_back(n_skip)
+        floors.push_back(n_floor)
     return True
 
 
@@ -152,15 +159,17 @@ cdef tuple _POOL_STEP_NAMES = ("free_blocks", "get_new_blocks", "_needs_vllm_loo
 cdef tuple _hybrid_changes_ready(_HybridStep hp, _AllocateSlotsFastPath fp, manager, request,
                                  _Step* s, bint has_scheduled_reqs, bint delay_cache_blocks,
                                  _HybridTokens* t, long long* free_blocks, list tables,
-                                 vector[long long]& sizes, vector[long long]& skips):
+                                 vector[long long]& sizes, vector[long long]& skips,
+                                 vector[long long]& floors):
     """The checks of :func:`_hybrid_step_changes`, read only: the step's prelude
     (:func:`_hybrid_step_prelude`, read again: the idle test between may have read a
     pool attribute), no Mamba group, the pool's free count read natively into
     ``free_blocks`` and its free / allocation running no code of another party
     (:func:`_pool_runs_no_code`), every group ready (:func:`_hybrid_groups_ready`: its
     table in ``tables``, block size in ``sizes``, the block its removal walk starts
-    from in ``skips``). Returns the coordinator's managers, the token counts in ``t``;
-    None when vLLM's ``allocate_slots`` runs the call."""
+    from in ``skips``, its allocation count's floor in ``floors``). Returns the
+    coordinator's managers, the token counts in ``t``; None when vLLM's
+    ``allocate_slots`` runs the call."""
     pre = _hybrid_step_prelude(hp, fp, manager, request, s, has_scheduled_reqs,
                                delay_cache_blocks, t)
     if pre is None or t.served != 1:
@@ -172,8 +181,9 @@ cdef tuple _hybrid_changes_ready(_HybridStep hp, _AllocateSlotsFastPath fp, mana
     del tables[:]
     sizes.clear()
     skips.clear()
+    floors.clear()
     if not _hybrid_groups_ready(hp, <tuple>managers, <str>request_id, <tuple>empty_blocks,
-                                pool, t.processed, tables, sizes, skips):
+                                pool, t, s.computed, tables, sizes, skips, floors):
         return None
     return <tuple>managers
 
@@ -188,15 +198,15 @@ cdef object _hybrid_step_changes(_HybridStep hp, _AllocateSlotsFastPath fp, mana
     before any change when a check fails (:func:`_hybrid_changes_ready`; an attribute
     missing where it reads one counts as a failed check: vLLM's code reads it, or not).
     Exceptions of the pool's calls propagate, as from vLLM's."""
-    cdef long long free_blocks, to_alloc = 0, n
+    cdef long long free_blocks, to_alloc = 0, n, n_table
     cdef _HybridTokens t
-    cdef vector[long long] sizes, skips
+    cdef vector[long long] sizes, skips, floors
     cdef Py_ssize_t i
     tables = []
     try:
         managers = _hybrid_changes_ready(hp, fp, manager, request, s, has_scheduled_reqs,
                                          delay_cache_blocks, &t, &free_blocks, tables, sizes,
-                                         skips)
+                                         skips, floors)
     except AttributeError:
         return _VLLM
     if managers is None:
@@ -209,7 +219,8 @@ cdef object _hybrid_step_changes(_HybridStep hp, _AllocateSlotsFastPath fp, mana
         raise RuntimeError("kvpool: the block pool changed during allocate_slots")
     # 2. get_num_blocks_to_allocate (a running request: no new hit) and the free count
     for i in range(len(tables)):
-        n = (t.need + sizes[i] - 1) // sizes[i] - len(<list>tables[i])
+        n_table = len(<list>tables[i])
+        n = (t.need + sizes[i] - 1) // sizes[i] - (floors[i] if floors[i] > n_table else n_table)
         if n > 0:
             to_alloc += n
     hp.native_changes += 1

@@ -21,13 +21,14 @@ cdef class _HybridStep:
     cdef public object sliding_window_cls    # SlidingWindowManager
     cdef public object full_spec_cls, sliding_spec_cls   # FullAttentionSpec, SlidingWindowSpec
     cdef public object mamba_cls, mamba_spec_cls   # MambaManager, MambaSpec (None: not armed)
+    cdef public object no_prefix_cls         # KVCacheCoordinatorNoPrefixCache (None: not armed)
     cdef public tuple class_checks           # ((cls, name, function), ...)
     cdef public tuple coordinator_names      # not to be set on the coordinator instance
     cdef public tuple single_type_names      # ... nor on a group's manager
     cdef public tuple mamba_names            # ... nor on a Mamba group's manager
     cdef readonly tuple step_globals         # ((namespace dict, name, value), ...)
     cdef vector[PyObject*] step_checks
-    cdef unsigned int tags[7]
+    cdef unsigned int tags[8]
     cdef int n_classes
     cdef public Py_ssize_t native_steps, vllm_steps
     cdef public Py_ssize_t native_cache_calls, vllm_cache_calls
@@ -38,7 +39,7 @@ cdef class _HybridStep:
     def __init__(self):
         self.enabled = False
         self.class_checks = self.coordinator_names = self.single_type_names = self.mamba_names = ()
-        self.mamba_cls = self.mamba_spec_cls = None
+        self.mamba_cls = self.mamba_spec_cls = self.no_prefix_cls = None
         self.n_classes = 5
         self.step_globals = ()
         self.tags[0] = 0
@@ -48,14 +49,15 @@ cdef class _HybridStep:
         self.pool_free_blocks = self.pool_get_new_blocks = self.pool_needs_vllm_loop = None
 
     cdef bint classes_unchanged(self):
-        """The hybrid coordinator's, the managers' and their specs' classes (Mamba's when
-        armed) still resolve every mirrored method and property to vLLM's, and the module names they
-        read are vLLM's (no module name shadows a builtin they call; checked through
-        getattr after any change to the classes). The request's class is the native
+        """The hybrid coordinator's, the managers' and their specs' classes (Mamba's and
+        the coordinator without prefix caching when armed) still resolve every mirrored
+        method and property to vLLM's, and the module names they read are vLLM's (no
+        module name shadows a builtin they call; checked through getattr after any change
+        to the classes). The request's class is the native
         manager path's (``_AllocateSlotsFastPath.request_cls``), checked by
         :func:`_eligible` before it returns ``_HYBRID``."""
-        cdef int i, n = self.n_classes
-        cdef PyObject* classes[7]
+        cdef int i, n
+        cdef PyObject* classes[8]
         if not _namespace_entries_are(self.step_checks):
             return False
         classes[0] = <PyObject*>self.coordinator_cls
@@ -63,8 +65,16 @@ cdef class _HybridStep:
         classes[2] = <PyObject*>self.sliding_window_cls
         classes[3] = <PyObject*>self.full_spec_cls
         classes[4] = <PyObject*>self.sliding_spec_cls
-        classes[5] = <PyObject*>self.mamba_cls
-        classes[6] = <PyObject*>self.mamba_spec_cls
+        n = 5
+        if self.mamba_cls is not None:
+            classes[5] = <PyObject*>self.mamba_cls
+            classes[6] = <PyObject*>self.mamba_spec_cls
+            n = 7
+        if self.no_prefix_cls is not None:
+            classes[n] = <PyObject*>self.no_prefix_cls
+            n += 1
+        if n != self.n_classes:
+            return False
         if self.tags[0] != 0:
             i = 0
             while i < n and kvpool_type_tag(classes[i]) == self.tags[i]:
@@ -99,15 +109,16 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
                                   full_spec_cls, sliding_spec_cls,
                                   class_checks, coordinator_names, single_type_names,
                                   step_globals=(), mamba_cls=None, mamba_spec_cls=None,
-                                  mamba_names=(), pool_methods=None):
+                                  mamba_names=(), pool_methods=None, no_prefix_cls=None):
     """Arm the hybrid running step of :func:`kv_cache_manager_allocate_slots` (called by
     ``kvpool.patches.hybrid_fast_path`` after the native allocate_slots is configured;
     ``disable_allocate_slots_fast_path`` disarms both).
 
     ``class_checks``: ``(class, name, function)`` triples that must hold (vLLM's
     ``HybridKVCacheCoordinator``, ``FullAttentionManager``, ``SlidingWindowManager``
-    methods the step's code calls, the specs' ``prefix_cacheable`` properties); ``*_names``: method names that must not be set on the
-    coordinator / group manager instances; ``step_globals``: ``(namespace dict, name,
+    methods the step's code calls, the specs' ``prefix_cacheable`` properties);
+    ``*_names``: method names that must not be set on the coordinator / group manager
+    instances; ``step_globals``: ``(namespace dict, name,
     value)`` triples of the module names those methods read (value None: the name must
     be absent, a builtin they call). ``mamba_cls`` / ``mamba_spec_cls``: vLLM's
     ``MambaManager`` and ``MambaSpec`` when the Mamba groups' idle step is armed too
@@ -116,7 +127,10 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
     Mamba group keeps vLLM's step. ``pool_methods``: kvpool's ``BlockPool.free_blocks``,
     ``get_new_blocks`` and ``_needs_vllm_loop`` (the functions), which the steps that
     free and allocate (``hybrid_alloc.pxi``) require a pool to have; None: those steps
-    stay vLLM's."""
+    stay vLLM's. ``no_prefix_cls``: vLLM's ``KVCacheCoordinatorNoPrefixCache`` (the
+    coordinator of every model with prefix caching off), whose methods ``class_checks``
+    then cover too: a hybrid model's running step under it is this step's (with caching
+    off in every group); None: such steps stay vLLM's."""
     if (mamba_cls is None) != (mamba_spec_cls is None):
         raise ValueError("mamba_cls and mamba_spec_cls go together")
     _hybrid.enabled = False
@@ -131,7 +145,8 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
     _hybrid.mamba_cls = mamba_cls
     _hybrid.mamba_spec_cls = mamba_spec_cls
     _hybrid.mamba_names = tuple(mamba_names)
-    _hybrid.n_classes = 5 if mamba_cls is None else 7
+    _hybrid.no_prefix_cls = no_prefix_cls
+    _hybrid.n_classes = (5 if mamba_cls is None else 7) + (no_prefix_cls is not None)
     _hybrid.step_globals = tuple(step_globals)
     _fill_checks(_hybrid.step_checks, _hybrid.step_globals)
     _hybrid.tags[0] = 0
@@ -209,6 +224,7 @@ cdef struct _HybridTokens:
     # the hybrid step's token counts (vLLM 0.34.0 allocate_slots' arithmetic for a
     # running request: no new hit, no external tokens)
     int served                   # _hybrid_managers_served: 1, or 2 with a Mamba group
+    bint no_prefix               # the coordinator is KVCacheCoordinatorNoPrefixCache
     long long in_flight, request_tokens
     long long main               # computed (capped at max_model_len) + new tokens
     long long need               # main + lookahead, capped at max_model_len
@@ -231,6 +247,7 @@ cdef tuple _hybrid_step_prelude(_HybridStep hp, _AllocateSlotsFastPath fp, manag
     if type(request) is not fp.request_cls or not hp.classes_unchanged():
         return None
     coordinator = manager.coordinator
+    t.no_prefix = hp.no_prefix_cls is not None and type(coordinator) is hp.no_prefix_cls
     managers = coordinator.single_type_managers
     t.served = _hybrid_managers_served(hp, managers)   # first: another group type leaves here
     if (not t.served
@@ -270,7 +287,11 @@ cdef bint _hybrid_step_idle(_HybridStep hp, _AllocateSlotsFastPath fp, manager, 
             return False
         n_hashes = len(<list>block_hashes)
     n_cache = t.main if t.main < t.request_tokens else t.request_tokens
-    if t.served == 2 and not delay_cache_blocks:
+    if t.no_prefix:
+        # (KVCacheCoordinatorNoPrefixCache: cache_blocks skips every group, whose caching
+        # is off; a group whose caching is not is vLLM's)
+        n_cache = -1
+    elif t.served == 2 and not delay_cache_blocks:
         # HybridKVCacheCoordinator.get_num_cacheable_tokens of a group without EAGLE
         # (_hybrid_coordinator_plain: sbs a positive int, the flag a bool)
         n_cacheable = n_cache
@@ -280,14 +301,16 @@ cdef bint _hybrid_step_idle(_HybridStep hp, _AllocateSlotsFastPath fp, manager, 
     n_groups = len(<tuple>managers)
     for i in range(n_groups):
         mgr = (<tuple>managers)[i]
+        if t.no_prefix and not delay_cache_blocks and mgr.enable_caching is not False:
+            return False
         if type(mgr) is hp.mamba_cls:
-            if not _mamba_group_idle(hp, mgr, request, <str>request_id, t.main, t.processed,
-                                     n_cacheable, n_hashes, s.computed,
+            if not _mamba_group_idle(hp, mgr, request, <str>request_id, t.main, t.need,
+                                     t.processed, n_cacheable, n_hashes, s.computed,
                                      (<tuple>empty_blocks)[i], to_alloc):
                 return False
         elif not _hybrid_group_idle(hp, mgr, <str>request_id, t.need, t.processed,
                                     -1 if delay_cache_blocks else n_cache, n_hashes,
-                                    (<tuple>empty_blocks)[i]):
+                                    (<tuple>empty_blocks)[i], t.no_prefix):
             return False
     return _native_free_count(fp, manager.block_pool, free_blocks)
 
@@ -348,13 +371,16 @@ cdef bint _hybrid_request_numbers(_AllocateSlotsFastPath fp, manager, request, _
 
 
 cdef object _hybrid_group_ready(_HybridStep hp, mgr, str request_id, empty_list,
-                               long long* bs, long long* n_cached):
+                               long long* bs, long long* n_cached, bint no_prefix):
     """What the step reads of one full-attention or sliding-window group is plain: the
     manager and its spec of the exact classes the step mirrors, no mirrored method set
     on the instance, a positive int ``block_size`` (into ``bs``), the request's table
     (returned) and its ``num_cached_block`` entry (into ``n_cached``), no pending
     copy-on-write block (``_partial_hit_reqs``), the group's entry of the manager's
-    empty ``KVCacheBlocks`` empty. None otherwise (vLLM's code runs the call)."""
+    empty ``KVCacheBlocks`` empty. With ``no_prefix`` (prefix caching off) the request
+    need not have a ``num_cached_block`` entry (``n_cached`` -1 then: vLLM's
+    ``get_num_blocks_to_allocate`` takes its other branch). None otherwise (vLLM's code
+    runs the call)."""
     cdef object t = type(mgr)
     if t is hp.full_attention_cls:
         spec_cls = hp.full_spec_cls
@@ -375,15 +401,18 @@ cdef object _hybrid_group_ready(_HybridStep hp, mgr, str request_id, empty_list,
         return None
     blocks = (<dict>req_to_blocks).get(request_id)
     cached = (<dict>num_cached_block).get(request_id)
-    if (type(blocks) is not list or cached is None or not _nonneg(cached, n_cached)
-            or request_id in <dict>partial):
+    if cached is None and no_prefix:
+        n_cached[0] = -1
+    elif cached is None or not _nonneg(cached, n_cached):
+        return None
+    if type(blocks) is not list or request_id in <dict>partial:
         return None
     return blocks
 
 
 cdef bint _hybrid_group_idle(_HybridStep hp, mgr, str request_id, long long need,
                              long long processed, long long n_cache, Py_ssize_t n_hashes,
-                             empty_list) except -1:
+                             empty_list, bint no_prefix) except -1:
     """One KV cache group of a running request does nothing in this step, in vLLM
     0.34.0's code: ``remove_skipped_blocks`` frees no block (full attention skips no
     token; a sliding window's last block before it is already the null block),
@@ -391,10 +420,12 @@ cdef bint _hybrid_group_idle(_HybridStep hp, mgr, str request_id, long long need
     (:func:`_hybrid_group_ready`), and ``cache_blocks`` finds its full blocks cached
     (``get_num_cacheable_tokens`` gives at most ``n_cache`` tokens; a full-attention
     group caches a partial prompt tail when its block is larger than the hash block, so
-    that shape is vLLM's). False: vLLM's code runs the call."""
+    that shape is vLLM's). ``no_prefix``: the coordinator is
+    ``KVCacheCoordinatorNoPrefixCache`` (:func:`_hybrid_group_ready`). False: vLLM's
+    code runs the call."""
     cdef long long bs, hash_bs, n_cached, n_skip
     cdef object t = type(mgr)
-    blocks = _hybrid_group_ready(hp, mgr, request_id, empty_list, &bs, &n_cached)
+    blocks = _hybrid_group_ready(hp, mgr, request_id, empty_list, &bs, &n_cached, no_prefix)
     if blocks is None:
         return False
     if t is hp.sliding_window_cls:

@@ -10,6 +10,9 @@
 # _allocated_block_reqs, _partial_hit_reqs) and change nothing. _mamba_group_idle
 # recognises those steps from the same attributes; every other one (a block retired or
 # allocated, a checkpoint, a partial tail cached, a copy-on-write) is vLLM's.
+# With prefix caching off (mamba_cache_mode="none") a request holds one state block of
+# max_model_len tokens per group, and _mamba_none_idle recognises the base class's steps
+# that keep it.
 
 
 cdef inline long long _floor_div(long long a, long long b):
@@ -108,9 +111,52 @@ cdef bint _mamba_tail_cached(mgr, request, str request_id, list blocks, long lon
     return type(cached_at) is int and cached_at == n_tokens
 
 
+cdef bint _mamba_none_idle(mgr, str request_id, long long need, long long processed,
+                           long long bs, empty_list) except -1:
+    """One Mamba group in ``mamba_cache_mode="none"`` (prefix caching off: vLLM's
+    ``KVCacheCoordinatorNoPrefixCache``; one state block of ``max_model_len`` tokens per
+    request) does nothing in this step. vLLM 0.34.0's ``MambaManager`` then runs the
+    base class's methods: ``remove_skipped_blocks`` keeps the last computed token's
+    state (``get_num_skipped_tokens``: ``processed - 1``) and frees no block (the walk's
+    first block, ``(processed - 1) // block_size - 1`` capped at the table, is none or
+    already the null block, by identity); ``get_num_blocks_to_allocate`` and
+    ``allocate_new_blocks`` find ``cdiv(need + block_size * num_speculative_blocks,
+    block_size)`` blocks within the table (either branch of the former then gives 0);
+    ``cache_blocks`` skips the group (``enable_caching`` False, which vLLM requires of
+    this mode). False: vLLM's code runs the call."""
+    cdef long long n_spec, spec_bs, n_skip, required
+    if mgr.enable_caching is not False or not _nonneg(mgr.num_speculative_blocks, &n_spec):
+        return False
+    if n_spec > 0:
+        # (get_num_blocks_to_allocate adds the spec's block size, allocate_new_blocks the
+        # manager's: vLLM sets both from the spec)
+        if (not _nonneg(mgr.kv_cache_spec.block_size, &spec_bs) or spec_bs != bs
+                or bs > _NATIVE_INT_LIMIT // n_spec):
+            return False
+    req_to_blocks = mgr.req_to_blocks
+    partial = mgr._partial_hit_reqs
+    if (not (type(req_to_blocks) is dict or type(req_to_blocks) is _defaultdict)
+            or type(partial) is not dict
+            or not (type(empty_list) is tuple or type(empty_list) is list) or len(empty_list) != 0):
+        return False
+    blocks = (<dict>req_to_blocks).get(request_id)
+    if type(blocks) is not list or request_id in <dict>partial:
+        return False
+    n_skip = (processed - 1) // bs if processed > 1 else 0
+    if n_skip > len(<list>blocks):
+        n_skip = len(<list>blocks)
+    if n_skip > 0:
+        null_block = mgr._null_block   # (it may run code: the list's bound is read again)
+        if _list_item(<list>blocks, n_skip - 1) is not null_block:
+            return False
+    required = (need + n_spec * bs + bs - 1) // bs
+    return required <= len(<list>blocks)
+
+
 cdef bint _mamba_group_idle(_HybridStep hp, mgr, request, str request_id, long long main,
-                            long long processed, long long n_cacheable, Py_ssize_t n_hashes,
-                            long long computed, empty_list, long long* to_alloc) except -1:
+                            long long need, long long processed, long long n_cacheable,
+                            Py_ssize_t n_hashes, long long computed, empty_list,
+                            long long* to_alloc) except -1:
     """One Mamba group (``MambaManager`` of a ``MambaSpec`` in ``mamba_cache_mode="align"``)
     of a running request does nothing in this step, in vLLM 0.34.0's code:
     ``remove_skipped_blocks`` retires and frees no block (:func:`_mamba_state_kept`),
@@ -120,8 +166,9 @@ cdef bint _mamba_group_idle(_HybridStep hp, mgr, request, str request_id, long l
     pending copy-on-write or checkpoint of the request, ``allocate_new_blocks`` finds the
     request already in ``_allocated_block_reqs``, and ``cache_blocks`` (``n_cacheable``:
     the coordinator's ``get_num_cacheable_tokens``; -1: not called) finds its full blocks
-    cached and no partial tail to register (:func:`_mamba_tail_cached`). False: vLLM's
-    code runs the call."""
+    cached and no partial tail to register (:func:`_mamba_tail_cached`). A group in
+    ``mamba_cache_mode="none"`` is :func:`_mamba_none_idle`'s (``need``: the tokens
+    that need a slot, lookahead included). False: vLLM's code runs the call."""
     cdef long long bs, n_spec, align, hash_bs, n_cached, lookahead, required
     if (type(mgr.kv_cache_spec) is not hp.mamba_spec_cls   # (its prefix_cacheable: vLLM's, checked)
             or not _not_overridden(mgr, hp.single_type_names)
@@ -129,6 +176,8 @@ cdef bint _mamba_group_idle(_HybridStep hp, mgr, request, str request_id, long l
             or not _nonneg(mgr.block_size, &bs) or bs == 0):
         return False
     mode = mgr.mamba_cache_mode
+    if type(mode) is str and mode == "none":
+        return _mamba_none_idle(mgr, request_id, need, processed, bs, empty_list)
     if type(mode) is not str or mode != "align" or mgr.has_prefill_checkpoint_blocks is not False:
         return False
     # (get_num_blocks_to_allocate computes the checkpoint position before it finds no

@@ -596,7 +596,10 @@ cdef object _eligible(_AllocateSlotsFastPath fp, _Entry entry, manager, coordina
     ``entry.no_prefix_cache_ok``, ``KVCacheCoordinatorNoPrefixCache``) with one
     single-type manager of exactly that class, no skipped method is patched on the
     classes (:meth:`_AllocateSlotsFastPath.classes_unchanged`) nor set on the instances
-    (``entry``'s names). For ``entry.reads_enable_caching`` (the lookup) the manager's
+    (``entry``'s names). For ``entry.hybrid_ok`` with the hybrid step armed
+    (hybrid_step.pxi): ``_HYBRID`` for ``HybridKVCacheCoordinator``, and for
+    ``KVCacheCoordinatorNoPrefixCache`` over any other groups (the hybrid step checks
+    them). For ``entry.reads_enable_caching`` (the lookup) the manager's
     ``enable_caching`` is read before the coordinator, as vLLM's
     ``prefix_cache_lookup_enabled`` reads it: False gives ``_CACHING_OFF``, another
     value than True None. Anything else: None (vLLM's code runs the call). Reads plain
@@ -612,19 +615,26 @@ cdef object _eligible(_AllocateSlotsFastPath fp, _Entry entry, manager, coordina
             if enable_caching is not True:
                 return None
         coordinator = manager.coordinator
+    cdef bint hybrid = entry.hybrid_ok and manager is not None and _hybrid.enabled
     if type(coordinator) is not fp.coordinator_cls and not (
             entry.no_prefix_cache_ok and fp.no_prefix_cache_cls is not None
             and type(coordinator) is fp.no_prefix_cache_cls):
-        if (entry.hybrid_ok and manager is not None and _hybrid.enabled
-                and type(coordinator) is _hybrid.coordinator_cls):
+        if hybrid and (type(coordinator) is _hybrid.coordinator_cls
+                       or (_hybrid.no_prefix_cls is not None
+                           and type(coordinator) is _hybrid.no_prefix_cls)):
             return _HYBRID
         return None
+    # (a coordinator without prefix caching over other groups than one full-attention
+    # group: the hybrid step's, when armed for it)
+    hybrid = (hybrid and _hybrid.no_prefix_cls is not None
+              and type(coordinator) is _hybrid.no_prefix_cls)
     managers = coordinator.single_type_managers
     if type(managers) is not tuple or len(<tuple>managers) != 1:
-        return None
+        return _HYBRID if hybrid else None
     mgr = (<tuple>managers)[0]
-    if (type(mgr) is not fp.full_attention_cls
-            or (manager is None and not fp.classes_unchanged())
+    if type(mgr) is not fp.full_attention_cls:
+        return _HYBRID if hybrid else None
+    if ((manager is None and not fp.classes_unchanged())
             or not _not_overridden(coordinator, entry.coordinator_names)
             or not _not_overridden(mgr, entry.single_type_names)):
         return None

@@ -205,6 +205,23 @@ def test_mamba_model_runs_every_mode_and_keeps_few_state_blocks(tmp_path):
                 assert 1 <= g["live_blocks_per_prompt"] <= 2
 
 
+def test_mamba_model_with_prefix_caching_off_runs_in_none_mode(tmp_path):
+    """``--prefix-caching off`` on a Mamba model: vLLM's ``mamba_cache_mode="none"``, one
+    state block of ``max_model_len`` tokens per request and group, so the scheduler's
+    block (their LCM) depends on ``max_model_len``; the warm-up keeps the workload's, or
+    its scheduler would not be the resolved pool's (the run once stopped there)."""
+    # (prompts longer than the warm-up's, which would otherwise shorten max_model_len)
+    longer = ("--workload", "grpo", "--rounds", "2", "--prompt-len", "5000,6000", "--output-len", "20,80")
+    rep = _replay(tmp_path, *longer, "--model", MAMBA, "--kv-memory-gib", "3", "--prefix-caching", "off",
+                  modes=_modes())
+    _check_run(rep, {"FullAttentionSpec", "MambaSpec"})
+    geo, max_len = rep["config"]["kv_cache_geometry"], rep["config"]["max_model_len"]
+    assert geo["mamba_cache_mode"] == "none" and rep["modes"]["vanilla"]["rounds"][0]["prefix_cache_hit_tokens"] == 0
+    assert {g["block_size"] for g in geo["groups"] if g["kind"] == "MambaSpec"} == {max_len}
+    for x in rep["modes"]["vanilla"]["rounds"]:
+        assert all(g["live_blocks_per_prompt"] == 1 for g in x["by_group"] if g["kind"] == "MambaSpec")
+
+
 def test_dense_model_through_vllm_allocates_as_the_hand_built_group(tmp_path):
     """``--model Qwen/Qwen3-0.6B --num-blocks N --block-size B``: vLLM resolves one
     full-attention group of N blocks of B tokens, and every round's tables, hits and

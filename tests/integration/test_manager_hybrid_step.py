@@ -67,14 +67,14 @@ def _windows_groups(windows: tuple[tuple[int, int], ...]) -> list:
 
 
 def _manager(num_blocks: int, num_groups: int, events: bool, window_blocks: int,
-             windows: tuple[tuple[int, int], ...] = ()):
+             windows: tuple[tuple[int, int], ...] = (), caching: bool = True):
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     groups = _windows_groups(windows) if windows else kv_cache_groups(BLOCK_SIZE, num_groups, window_blocks)
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     manager = KVCacheManager(config, max_model_len=2048, scheduler_block_size=BLOCK_SIZE,
-                             hash_block_size=BLOCK_SIZE, enable_caching=True,
+                             hash_block_size=BLOCK_SIZE, enable_caching=caching,
                              enable_kv_cache_events=events)
     for single in manager.coordinator.single_type_managers:
         single._record_new_block_ids = True
@@ -113,7 +113,8 @@ def _state(manager) -> tuple:
 
 
 def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool = False,
-         window_blocks: int = 3, windows: tuple[tuple[int, int], ...] = (), setup=None) -> dict:
+         window_blocks: int = 3, windows: tuple[tuple[int, int], ...] = (), setup=None,
+         caching: bool = True) -> dict:
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.request import RequestStatus
@@ -122,8 +123,8 @@ def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool
     kvpool.install()
     assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
     vanilla_fn = _vanilla_allocate_slots()
-    sides = [(_manager(num_blocks, num_groups, events, window_blocks, windows), vanilla_fn, {}),
-             (_manager(num_blocks, num_groups, events, window_blocks, windows),
+    sides = [(_manager(num_blocks, num_groups, events, window_blocks, windows, caching), vanilla_fn, {}),
+             (_manager(num_blocks, num_groups, events, window_blocks, windows, caching),
               KVCacheManager.allocate_slots, {})]
     # vLLM's side is vLLM's Python throughout: its coordinator's cache_blocks (which kvpool
     # binds on the hybrid class) is vLLM's function, set on the instance.
@@ -243,6 +244,26 @@ def test_several_sliding_windows_match_vllm(events):
     assert counts["native_steps"] > counts["step"] // 4
     assert counts["native_changes"] > counts["step"] // 10 and counts["none"] > 0
     assert counts["group_cache_calls"] > 0
+
+
+@needs_known_release
+@pytest.mark.parametrize("num_blocks", [48, 300])
+def test_prefix_caching_off_matches_vllm(num_blocks):
+    """Prefix caching off (gpt-oss or Gemma 3 served without it): vLLM's
+    ``KVCacheCoordinatorNoPrefixCache`` over full attention and sliding windows, whose
+    requests have no ``num_cached_block`` entry. Idle steps and the steps that free a
+    window's blocks and allocate are native, refusals included, and the two managers
+    stay identical."""
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinatorNoPrefixCache
+
+    kvpool.install()
+    assert type(_manager(64, 0, False, 3, ((40, 0),), caching=False).coordinator) is KVCacheCoordinatorNoPrefixCache
+    counts = _run(NUM_OPS // 4, num_blocks, 0, SEED + 17 + num_blocks, windows=((40, 0), (100, 5)),
+                  caching=False)
+    print(f"\nprefix caching off, {num_blocks} blocks: {counts}")
+    assert counts["native_steps"] > counts["step"] // 4
+    assert counts["native_changes"] > counts["step"] // 10 and counts["free"] > 0
+    assert counts["none"] > 0 or num_blocks > 48
 
 
 def _hostile_frees(manager) -> None:

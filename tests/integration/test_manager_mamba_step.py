@@ -25,6 +25,7 @@ runs 10^5 operations per case (a quarter of the setting; default 20,000).
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import types
@@ -63,7 +64,8 @@ needs_known_mamba = pytest.mark.skipif(
 
 
 def _manager(num_blocks: int, events: bool, retention: int | None, shared_checkpoint: bool,
-             num_mamba: int = 2, sliding: bool = False):
+             num_mamba: int = 2, sliding: bool = False, caching: bool = True,
+             mamba_block: int = BLOCK_SIZE, speculative: int = 0, full: bool = True):
     import torch
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import (
@@ -75,16 +77,19 @@ def _manager(num_blocks: int, events: bool, retention: int | None, shared_checkp
     )
 
     common = dict(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    groups = [KVCacheGroupSpec(["layer.full"], FullAttentionSpec(**common))]
+    groups = [KVCacheGroupSpec(["layer.full"], FullAttentionSpec(**common))] if full else []
     if sliding:
         groups.append(KVCacheGroupSpec(["layer.swa"], SlidingWindowSpec(**common, sliding_window=3 * BLOCK_SIZE)))
     for i in range(num_mamba):
-        spec = MambaSpec(block_size=BLOCK_SIZE, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
+        # (prefix caching off: vLLM's mamba_cache_mode "none", whose block is max_model_len
+        # tokens in vLLM's resolution; smaller here, so that its steps free and allocate)
+        spec = MambaSpec(block_size=mamba_block, shapes=((1,),), dtypes=(torch.float32,),
+                         mamba_cache_mode="align" if caching else "none", num_speculative_blocks=speculative)
         groups.append(KVCacheGroupSpec([f"layer.mamba{i}"], spec))
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
                            prefix_cache_retention_interval=retention)
-    manager = KVCacheManager(config, max_model_len=4096, scheduler_block_size=BLOCK_SIZE,
-                             hash_block_size=BLOCK_SIZE, enable_caching=True, enable_kv_cache_events=events,
+    manager = KVCacheManager(config, max_model_len=4096, scheduler_block_size=math.lcm(BLOCK_SIZE, mamba_block),
+                             hash_block_size=BLOCK_SIZE, enable_caching=caching, enable_kv_cache_events=events,
                              enable_mamba_shared_prefix_checkpoint=shared_checkpoint)
     for single in manager.coordinator.single_type_managers:
         single._record_new_block_ids = True
@@ -107,6 +112,10 @@ def _mamba_state(manager) -> list:
     for single in manager.coordinator.single_type_managers:
         if type(single).__name__ != "MambaManager":
             continue
+        if single.mamba_cache_mode != "align":   # (the align mode's bookkeeping only)
+            out.append(({k: _ids(v) for k, v in single._partial_hit_reqs.items()},
+                        sorted(single.cached_blocks_this_step)))
+            continue
         out.append((dict(single.last_state_block_idx), dict(single._num_retired_blocks),
                     sorted(single._allocated_block_reqs), dict(single._checkpoints),
                     {k: _ids(v) for k, v in single._partial_hit_reqs.items()},
@@ -125,7 +134,8 @@ def _chunk(rng: random.Random, prefill_left: int) -> int:
 
 
 def _run(num_ops: int, num_blocks: int, seed: int, *, events: bool = False, retention: int | None = 0,
-         shared_checkpoint: bool = False, sliding: bool = False) -> dict:
+         shared_checkpoint: bool = False, sliding: bool = False, caching: bool = True,
+         mamba_block: int = BLOCK_SIZE, speculative: int = 0, full: bool = True) -> dict:
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.request import RequestStatus
@@ -133,7 +143,8 @@ def _run(num_ops: int, num_blocks: int, seed: int, *, events: bool = False, rete
     rng = random.Random(seed)
     kvpool.install()
     assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
-    made = [_manager(num_blocks, events, retention, shared_checkpoint, sliding=sliding) for _ in range(2)]
+    made = [_manager(num_blocks, events, retention, shared_checkpoint, sliding=sliding, caching=caching,
+                     mamba_block=mamba_block, speculative=speculative, full=full) for _ in range(2)]
     # vLLM's side is vLLM's Python throughout: its coordinator's cache_blocks (which kvpool
     # binds on HybridKVCacheCoordinator) is vLLM's function, set on the instance
     vanilla = made[0].coordinator
@@ -242,6 +253,34 @@ def test_mamba_running_step_matches_vllm(case):
     assert counts["none"] > 0 or case["num_blocks"] > 60
 
 
+@needs_known_mamba
+@pytest.mark.parametrize("case", [
+    dict(num_blocks=60, mamba_block=4096),                   # vLLM's shape: one state block per request
+    dict(num_blocks=300, mamba_block=64, speculative=1),     # states that retire, a speculative block
+    dict(num_blocks=200, mamba_block=16, sliding=True),      # + a sliding-window group
+    # (a Mamba block smaller than the attention block, not a shape vLLM resolves: the Mamba
+    # groups' own allocation then decides steps the full-attention group does not)
+    dict(num_blocks=300, mamba_block=8, speculative=2),
+    dict(num_blocks=100, mamba_block=64, full=False),        # Mamba groups only (a Mamba2 model)
+], ids=["60-one-block", "300-64-speculative", "200-16-sliding", "300-8-speculative", "100-mamba-only"])
+def test_prefix_caching_off_matches_vllm(case):
+    """Prefix caching off (Qwen3-Next, Qwen3.5 served or rolled out without it): vLLM's
+    ``KVCacheCoordinatorNoPrefixCache`` with the Mamba groups in
+    ``mamba_cache_mode="none"``. The steps that keep every group's blocks are native
+    (src/kvpool/mamba_step.pxi, ``_mamba_none_idle``), the others vLLM's, and the two
+    managers stay identical."""
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinatorNoPrefixCache
+
+    kvpool.install()
+    manager = _manager(64, False, 0, False, caching=False, mamba_block=case["mamba_block"])
+    assert type(manager.coordinator) is KVCacheCoordinatorNoPrefixCache
+    counts = _run(NUM_OPS // 4, seed=SEED + 31 + case["num_blocks"], caching=False, **case)
+    print(f"\nmamba differential, prefix caching off {case}: {counts}")
+    assert counts["native_steps"] > counts["step"] // 4
+    assert counts["vllm_steps"] > 0 and counts["free"] > 0
+    assert counts["none"] > 0 or case["num_blocks"] > 60
+
+
 def test_the_mamba_step_is_armed_only_on_a_known_release(monkeypatch):
     """install() arms the Mamba groups' part exactly when the installed MambaManager's
     sources are the bound release's (KNOWN_MAMBA_SOURCES); with another fingerprint
@@ -272,6 +311,7 @@ def test_the_mamba_step_is_armed_only_on_a_known_release(monkeypatch):
 @pytest.mark.parametrize("target,attr,value", [
     (None, None, None),   # the control: this step is idle, and native
     ("mamba", "mamba_cache_mode", "all"),
+    ("mamba", "mamba_cache_mode", "none"),   # (with caching on: not a mode vLLM builds)
     ("mamba", "has_prefill_checkpoint_blocks", 0),
     ("mamba", "num_speculative_blocks", -1),
     ("mamba", "cache_hit_alignment_tokens", 0),

@@ -16,10 +16,13 @@ manager to find that out, and returns the manager's shared empty ``KVCacheBlocks
 recognises that step from the plain attributes vLLM's code reads and returns the same
 object (or None where the watermark or reserved blocks refuse it, as vLLM's free-count
 check does). Every step that allocates, frees, caches or copies a block, every group
-of another manager type (chunked local, cross attention, Mamba outside align mode,
-...), an EAGLE group, a full-attention group whose block is larger than the hash block,
-and every call whose methods are patched goes to vLLM's ``allocate_slots`` before
-anything changes.
+of another manager type (chunked local, cross attention, Mamba in a mode other than
+``"align"`` and, with prefix caching off, ``"none"``, ...), an EAGLE group, a
+full-attention group whose block is larger than the hash block, and every call whose
+methods are patched goes to vLLM's ``allocate_slots`` before anything changes. With
+prefix caching off vLLM builds ``KVCacheCoordinatorNoPrefixCache`` for every model;
+over groups other than one full-attention group the same step serves it
+(docs/design.md, "Hybrid models with prefix caching off").
 
 It is bound only where its reading is vLLM's: the sources of :data:`HYBRID_MIRRORED`
 and :data:`HYBRID_LAYOUT` must hash to the entry of :data:`KNOWN_HYBRID_SOURCES` of the
@@ -68,6 +71,17 @@ HYBRID_MIRRORED: tuple[tuple[str, str], ...] = (
     ("SlidingWindowManager", "allocate_new_blocks"),
     ("SlidingWindowManager", "cache_blocks"),
     ("SingleTypeKVCacheManager", "cache_blocks"),
+    # prefix caching off: the coordinator's calls, and what get_num_blocks_to_allocate
+    # reads for a request without a num_cached_block entry
+    ("KVCacheCoordinatorNoPrefixCache", "remove_skipped_blocks"),
+    ("KVCacheCoordinatorNoPrefixCache", "get_num_blocks_to_allocate"),
+    ("KVCacheCoordinatorNoPrefixCache", "allocate_new_blocks"),
+    ("KVCacheCoordinatorNoPrefixCache", "cache_blocks"),
+    ("KVCacheCoordinatorNoPrefixCache", "get_num_cacheable_tokens"),
+    ("FullAttentionManager", "_get_num_evictable_blocks"),
+    ("FullAttentionManager", "_has_partial_local_hit"),
+    ("SlidingWindowManager", "_get_num_evictable_blocks"),
+    ("SlidingWindowManager", "_has_partial_local_hit"),
     ("FullAttentionSpec", "prefix_cacheable"),
     ("SlidingWindowSpec", "prefix_cacheable"),
     ("kv_cache_coordinator", "replay_boundaries"),
@@ -84,6 +98,7 @@ HYBRID_LAYOUT: tuple[tuple[str, str | None], ...] = (
     ("KVCacheBlocks", None),
     ("KVCacheCoordinator", "__init__"),
     ("HybridKVCacheCoordinator", "__init__"),
+    ("KVCacheCoordinatorNoPrefixCache", "__init__"),
     ("SingleTypeKVCacheManager", "__init__"),
     ("SlidingWindowManager", "__init__"),
     ("Request", "__init__"),
@@ -104,6 +119,12 @@ MAMBA_MIRRORED: tuple[tuple[str, str], ...] = (
     ("MambaManager", "allocate_new_blocks"),
     ("MambaManager", "cache_blocks"),
     ("MambaManager", "_cache_partial_tail_block"),
+    # mamba_cache_mode="none" (prefix caching off): what MambaManager's methods call
+    # through super()
+    ("SingleTypeKVCacheManager", "remove_skipped_blocks"),
+    ("SingleTypeKVCacheManager", "_remove_blocks_in_range"),
+    ("SingleTypeKVCacheManager", "get_num_blocks_to_allocate"),
+    ("SingleTypeKVCacheManager", "allocate_new_blocks"),
     ("MambaSpec", "prefix_cacheable"),
     ("single_type_kv_cache_manager", "get_mamba_prefill_checkpoint_position"),
     ("single_type_kv_cache_manager", "is_mamba_prefill_checkpoint_valid"),
@@ -119,12 +140,12 @@ MAMBA_LAYOUT: tuple[tuple[str, str | None], ...] = (
 
 #: sha256 of :func:`hybrid_source` per vLLM release the hybrid step was checked against.
 KNOWN_HYBRID_SOURCES: dict[str, str] = {
-    "0.34.0": "5d15b2d742f427ee8e8873d489e008dda5939b64b1c190e5da52cebad5ddefb5",
+    "0.34.0": "be73c253b227d13360c99898deea27de2c8b20e21ea586f84184b647d055a14c",
 }
 
 #: sha256 of :func:`mamba_source` per vLLM release its Mamba part was checked against.
 KNOWN_MAMBA_SOURCES: dict[str, str] = {
-    "0.34.0": "74d377d57dbd43a1378d6d40d579f27d39594f9cc440c93f5a17b47e5fd42f06",
+    "0.34.0": "f1bed762a08f407267431c75e02ca59215c229adb501ff1f15e0b6679ba14470",
 }
 
 #: Methods of a Mamba group's manager, beyond ``HYBRID_SINGLE_TYPE_NAMES``, that must not
@@ -137,7 +158,8 @@ MAMBA_NAMES = ("_needs_internal_checkpoint",)
 # tags). The request's class and its num_tokens property: the native manager path's
 # checks, which run before the hybrid step.
 _CHECKED = ("HybridKVCacheCoordinator", "FullAttentionManager", "SlidingWindowManager",
-            "SingleTypeKVCacheManager", "FullAttentionSpec", "SlidingWindowSpec", "MambaManager", "MambaSpec")
+            "SingleTypeKVCacheManager", "FullAttentionSpec", "SlidingWindowSpec", "MambaManager", "MambaSpec",
+            "KVCacheCoordinatorNoPrefixCache")
 
 
 def hybrid_classes() -> dict[str, Any]:
@@ -280,6 +302,7 @@ def bind(release: str, patcher=None) -> bool:
         mamba_spec_cls=classes["MambaSpec"] if mamba else None,
         mamba_names=MAMBA_NAMES,
         pool_methods=(BlockPool.free_blocks, BlockPool.get_new_blocks, BlockPool._needs_vllm_loop),
+        no_prefix_cls=classes["KVCacheCoordinatorNoPrefixCache"],
     )
     return True
 
