@@ -70,9 +70,9 @@ WORKLOADS = {
                                                      "Qwen/Qwen3-Next-80B-A3B-Instruct")),
     # ... and with prefix caching off (the replay's --prefix-caching off): vLLM's
     # KVCacheCoordinatorNoPrefixCache, the Mamba groups in mamba_cache_mode="none" (one
-    # state block of max_model_len tokens per request and group)
+    # state block of max_model_len tokens per request and group; 200-step windows)
     "serving_qwen3_next_no_cache": (ROUNDS, lambda: _on_model(
-        workloads.serving(rounds=ROUNDS, window_steps=400), "Qwen/Qwen3-Next-80B-A3B-Instruct",
+        workloads.serving(rounds=ROUNDS, window_steps=200), "Qwen/Qwen3-Next-80B-A3B-Instruct",
         prefix_caching=False)),
 }
 #: benchmark impl -> the replay's mode.

@@ -223,6 +223,8 @@ cdef object _hybrid_step_changes(_HybridStep hp, _AllocateSlotsFastPath fp, mana
         n = (t.need + sizes[i] - 1) // sizes[i] - (floors[i] if floors[i] > n_table else n_table)
         if n > 0:
             to_alloc += n
+            if to_alloc > _NATIVE_INT_LIMIT:   # (refused below whatever the free count:
+                to_alloc = _NATIVE_INT_LIMIT   # vLLM's sum, a Python int, never wraps)
     hp.native_changes += 1
     if to_alloc + s.watermark > free_blocks - s.reserved:
         return None

@@ -400,10 +400,11 @@ cdef object _hybrid_group_ready(_HybridStep hp, mgr, str request_id, empty_list,
             or not (type(empty_list) is tuple or type(empty_list) is list) or len(empty_list) != 0):
         return None
     blocks = (<dict>req_to_blocks).get(request_id)
-    cached = (<dict>num_cached_block).get(request_id)
-    if cached is None and no_prefix:
-        n_cached[0] = -1
-    elif cached is None or not _nonneg(cached, n_cached):
+    if no_prefix:
+        # (vLLM's branch is `request_id in num_cached_block`; the value is read only by
+        # cache_blocks, which skips every group here: 0 for an entry of any value)
+        n_cached[0] = 0 if request_id in <dict>num_cached_block else -1
+    elif not _nonneg((<dict>num_cached_block).get(request_id), n_cached):
         return None
     if type(blocks) is not list or request_id in <dict>partial:
         return None
@@ -433,7 +434,10 @@ cdef bint _hybrid_group_idle(_HybridStep hp, mgr, str request_id, long long need
             return False
         if n_skip > 0:
             null_block = mgr._null_block   # (it may run code: the list's bound is read again)
-            if _list_item(<list>blocks, n_skip - 1) is not null_block:
+            # (vLLM's walk compares with ==: the null block kvpool's own KVCacheBlock, which
+            # is equal to itself)
+            if (type(null_block) is not KVCacheBlock
+                    or _list_item(<list>blocks, n_skip - 1) is not null_block):
                 return False
     if (need + bs - 1) // bs > len(<list>blocks):
         return False

@@ -213,7 +213,7 @@ def test_mamba_model_with_prefix_caching_off_runs_in_none_mode(tmp_path):
     # (prompts longer than the warm-up's, which would otherwise shorten max_model_len)
     longer = ("--workload", "grpo", "--rounds", "2", "--prompt-len", "5000,6000", "--output-len", "20,80")
     rep = _replay(tmp_path, *longer, "--model", MAMBA, "--kv-memory-gib", "3", "--prefix-caching", "off",
-                  modes=_modes())
+                  modes=_modes()[:2])
     _check_run(rep, {"FullAttentionSpec", "MambaSpec"})
     geo, max_len = rep["config"]["kv_cache_geometry"], rep["config"]["max_model_len"]
     assert geo["mamba_cache_mode"] == "none" and rep["modes"]["vanilla"]["rounds"][0]["prefix_cache_hit_tokens"] == 0

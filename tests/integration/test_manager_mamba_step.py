@@ -460,3 +460,154 @@ def test_code_run_by_a_look_up_does_not_crash_the_native_read(where):
     if where != "instance dict":   # (vLLM reads _null_block after the block: its clear comes too late)
         assert outcomes[0] == outcomes[1]
     assert outcomes[1][0] in ("ok", "raised")
+
+
+# --- prefix caching off: what vLLM reads is read as vLLM reads it ----------------------
+
+
+class _NeverEqual:
+    """A null block stand-in that is not equal even to itself (vLLM's walk compares with ``==``)."""
+
+    def __eq__(self, other):
+        return False
+
+    __hash__ = object.__hash__
+
+
+def _off_pair(groups: str, setup):
+    """vLLM's and the native allocate_slots, each with a manager with prefix caching off
+    (``groups``: "full+mamba", "mamba" or "full+swa"; Mamba states of 16-token blocks in
+    mamba_cache_mode "none") and a request decoding past a 70-token prompt, driven there
+    by vLLM's function; then ``setup(manager, request)``."""
+    from vllm.v1.request import RequestStatus
+
+    kvpool.install()
+    vanilla = _vanilla_allocate_slots()
+    for allocate_slots in (vanilla, _core.kv_cache_manager_allocate_slots):
+        manager = _manager(200, False, 0, False, num_mamba=0 if groups == "full+swa" else 2,
+                           sliding=groups == "full+swa", caching=False, full=groups != "mamba")
+        req = make_request("a", list(range(70)), max_tokens=100, block_size=BLOCK_SIZE)
+        assert vanilla(manager, req, 70) is not None
+        req.status, req.num_computed_tokens = RequestStatus.RUNNING, 70
+        for _ in range(2):
+            req.append_output_token_ids(7)
+            assert vanilla(manager, req, 1) is not None
+            req.num_computed_tokens += 1
+        req.append_output_token_ids(8)
+        setup(manager, req)
+        yield allocate_slots, manager, req
+
+
+def _null_never_equal(manager, req):
+    """Every group's null block an object not equal to itself, at the slot the removal walk
+    of the next step starts from (which holds the null block there)."""
+    for single in manager.coordinator.single_type_managers:
+        if type(single).__name__ == "FullAttentionManager":
+            continue
+        table, stand_in = single.req_to_blocks["a"], _NeverEqual()
+        for i, block in enumerate(table):
+            if block is single._null_block:
+                table[i] = stand_in
+        single._null_block = stand_in
+
+
+def _entry_none_short_table(manager, req):
+    """A sliding window's table emptied (below the blocks vLLM's get_num_blocks_to_allocate
+    skips on its other branch), and the request's num_cached_block entry None (vLLM tests
+    the entry's presence)."""
+    single = manager.coordinator.single_type_managers[1]
+    table = single.req_to_blocks["a"]
+    rest = table[:]
+    del table[:]
+    manager.block_pool.free_blocks([b for b in rest if not b.is_null])
+    single.num_cached_block["a"] = None
+
+
+def _no_change(manager, req):
+    pass
+
+
+def _off_state(manager) -> tuple:
+    """Every group's tables (block ids; another object by its type's name), cached counts
+    (any value), new block ids, and the free queue: what the cases below compare."""
+    groups = []
+    for single in manager.coordinator.single_type_managers:
+        cached = single.num_cached_block
+        groups.append(({rid: [getattr(b, "block_id", type(b).__name__) for b in blocks]
+                        for rid, blocks in single.req_to_blocks.items()},
+                       dict(cached) if isinstance(cached, dict) else repr(cached), list(single.new_block_ids)))
+    pool = manager.block_pool
+    return groups, [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+
+
+def _mamba_attr(name, value):
+    def setup(manager, req):
+        for single in manager.coordinator.single_type_managers:
+            if type(single).__name__ == "MambaManager":
+                setattr(single, name, value)
+    return setup
+
+
+@needs_known_mamba
+@pytest.mark.parametrize("groups,setup,step", [
+    ("full+mamba", _no_change, {}),                               # the control: idle, native
+    ("mamba", _no_change, {}),                                    # ... Mamba groups only
+    ("full+mamba", _mamba_attr("num_cached_block", None), {}),    # vLLM's `in` raises
+    ("mamba", _mamba_attr("num_cached_block", []), {}),
+    ("full+mamba", _mamba_attr("num_speculative_blocks", 2**62), {}),
+    ("full+mamba", _mamba_attr("mamba_cache_mode", "all"), {}),
+    ("full+mamba", _mamba_attr("enable_caching", True), {}),
+    ("full+mamba", _null_never_equal, {}),
+    ("full+swa", _null_never_equal, {}),
+    ("full+swa", _entry_none_short_table, {"reserved_blocks": "four left"}),
+], ids=["control", "mamba-only", "cached-None", "cached-list", "speculative-huge", "mode-all", "caching-on",
+        "null-never-equal", "swa-null-never-equal", "swa-entry-None"])
+def test_odd_values_with_prefix_caching_off_get_vllms_outcome(groups, setup, step):
+    """Under KVCacheCoordinatorNoPrefixCache: a value of another type or range where vLLM's
+    code reads one (a Mamba group's num_cached_block, which vLLM's get_num_blocks_to_allocate
+    tests with ``in``; a null block ``==`` does not find equal to itself; a
+    ``num_cached_block`` entry whose value is None, which still sends vLLM down its first
+    branch) gives vLLM's result or exception and vLLM's state (the controls: native)."""
+    outcomes = []
+    for allocate_slots, manager, req in _off_pair(groups, setup):
+        kwargs = dict(step)
+        if kwargs.get("reserved_blocks") == "four left":
+            # (vLLM counts 5 blocks for the emptied window table; its other branch, 4)
+            kwargs["reserved_blocks"] = manager.block_pool.get_num_free_blocks() - 4
+        before = _core.hybrid_running_step_state()["native_steps"]
+        outcome = _outcome(lambda: _summary(manager, allocate_slots(manager, req, 1, **kwargs)))
+        native = _core.hybrid_running_step_state()["native_steps"] - before
+        outcomes.append((outcome, _off_state(manager)))
+    assert outcomes[0] == outcomes[1]
+    if setup is _no_change:   # (the controls: the native step answered, idle)
+        assert native == 1 and outcomes[0][0][0] == "ok"
+
+
+@needs_known_mamba
+def test_a_step_needing_more_blocks_than_a_long_long_holds_is_refused_as_vllm_refuses_it():
+    """Nine full-attention groups of 1-token blocks with prefix caching off and
+    ``max_model_len`` near 2**60: one step's blocks summed over the groups pass 2**63,
+    where vLLM's Python int refuses the step (None) and a C sum would wrap negative."""
+    import torch
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import RequestStatus
+
+    kvpool.install()
+    vanilla, limit = _vanilla_allocate_slots(), 2**60
+    outcomes = []
+    for allocate_slots in (vanilla, _core.kv_cache_manager_allocate_slots):
+        spec = FullAttentionSpec(block_size=1, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        config = KVCacheConfig(num_blocks=50, kv_cache_tensors=[],
+                               kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], spec) for i in range(9)])
+        manager = KVCacheManager(config, max_model_len=limit - 1, scheduler_block_size=1, hash_block_size=1,
+                                 enable_caching=False, enable_kv_cache_events=False)
+        req = make_request("a", [1, 2, 3], max_tokens=10, block_size=1)
+        assert vanilla(manager, req, 3) is not None
+        req.status, req.num_computed_tokens = RequestStatus.RUNNING, 3
+        req.append_output_token_ids(7)
+        before = _core.hybrid_running_step_state()["native_changes"]
+        outcomes.append((_outcome(lambda: allocate_slots(manager, req, limit - 10)), _state(manager)))
+        changes = _core.hybrid_running_step_state()["native_changes"] - before
+    assert outcomes[0] == outcomes[1] and outcomes[0][0] == ("ok", None)
+    assert changes == 1   # (the native step's refusal)
