@@ -232,6 +232,7 @@ def configure_hybrid_running_step(
     mamba_spec_cls: type | None = None,
     mamba_names: Iterable[str] = (),
     pool_methods: Iterable[Any] | None = None,
+    no_prefix_cls: type | None = None,
 ) -> None: ...
 def hybrid_running_step_state() -> dict[str, Any]: ...
 def configure_prefix_lookup(
