@@ -37,11 +37,13 @@ def warm_up(workload: Workload, pool: PoolSpec, seed: int) -> None:
     in the first measured round of whichever mode runs first."""
     first = workload.round_requests(0)[:4]
     block = pool.smallest_block  # (not the scheduler's block: an LCM of the groups' with --model)
-    # (the workload's max_model_len kept: it sizes a Mamba group's block with prefix caching
-    # off, and so the scheduler's block size, which the pool was resolved with)
+    # (a --model run keeps the workload's max_model_len: it sizes a Mamba group's block with
+    # prefix caching off, and so the scheduler's block size, which the pool was resolved with;
+    # the hand-built group's warm-up stays as it was)
+    engine = replace(workload.engine, max_model_len=workload.max_model_len()) if pool.resolved else workload.engine
     tiny = replace(
         workload,
-        engine=replace(workload.engine, max_model_len=workload.max_model_len()),
+        engine=engine,
         continuous=False,
         requests=[replace(r, prompt_len=min(r.prompt_len, 4 * block + 1),
                           output_len=min(r.output_len, 2 * block), arrival_step=0)
