@@ -374,13 +374,9 @@ cdef object _hybrid_group_ready(_HybridStep hp, mgr, str request_id, empty_list,
                                long long* bs, long long* n_cached, bint no_prefix):
     """What the step reads of one full-attention or sliding-window group is plain: the
     manager and its spec of the exact classes the step mirrors, no mirrored method set
-    on the instance, a positive int ``block_size`` (into ``bs``), the request's table
-    (returned) and its ``num_cached_block`` entry (into ``n_cached``), no pending
-    copy-on-write block (``_partial_hit_reqs``), the group's entry of the manager's
-    empty ``KVCacheBlocks`` empty. With ``no_prefix`` (prefix caching off) the request
-    need not have a ``num_cached_block`` entry (``n_cached`` -1 then: vLLM's
-    ``get_num_blocks_to_allocate`` takes its other branch). None otherwise (vLLM's code
-    runs the call)."""
+    on the instance, a positive int ``block_size`` (into ``bs``), and
+    :func:`_group_table`'s reads (``n_cached``, ``no_prefix``: its own). Returns the
+    request's table; None otherwise (vLLM's code runs the call)."""
     cdef object t = type(mgr)
     if t is hp.full_attention_cls:
         spec_cls = hp.full_spec_cls
@@ -392,6 +388,19 @@ cdef object _hybrid_group_ready(_HybridStep hp, mgr, str request_id, empty_list,
         return None
     if not _not_overridden(mgr, hp.single_type_names) or not _nonneg(mgr.block_size, bs) or bs[0] == 0:
         return None
+    return _group_table(mgr, request_id, empty_list, n_cached, no_prefix)
+
+
+cdef object _group_table(mgr, str request_id, empty_list, long long* n_cached, bint no_prefix):
+    """The request's table in one group's manager (of a class the step mirrors, checked
+    by the caller), or None (vLLM's code runs the call): ``req_to_blocks`` a dict or
+    defaultdict holding a list for the request, ``num_cached_block`` and
+    ``_partial_hit_reqs`` dicts, no pending copy-on-write block of the request, the
+    group's entry of the manager's empty ``KVCacheBlocks`` empty. Into ``n_cached``
+    (unless NULL: the caller reads no entry) the request's ``num_cached_block`` entry, a
+    non-negative int; with ``no_prefix`` (prefix caching off) the request need not have
+    one: ``n_cached`` -1 then (vLLM's ``get_num_blocks_to_allocate`` takes its other
+    branch)."""
     req_to_blocks = mgr.req_to_blocks
     num_cached_block = mgr.num_cached_block
     partial = mgr._partial_hit_reqs
@@ -400,7 +409,9 @@ cdef object _hybrid_group_ready(_HybridStep hp, mgr, str request_id, empty_list,
             or not (type(empty_list) is tuple or type(empty_list) is list) or len(empty_list) != 0):
         return None
     blocks = (<dict>req_to_blocks).get(request_id)
-    if no_prefix:
+    if n_cached == NULL:
+        pass
+    elif no_prefix:
         # (vLLM's branch is `request_id in num_cached_block`; the value is read only by
         # cache_blocks, which skips every group here: 0 for an entry of any value)
         n_cached[0] = 0 if request_id in <dict>num_cached_block else -1
@@ -409,6 +420,15 @@ cdef object _hybrid_group_ready(_HybridStep hp, mgr, str request_id, empty_list,
     if type(blocks) is not list or request_id in <dict>partial:
         return None
     return blocks
+
+
+cdef bint _null_block_at(mgr, list blocks, long long idx) except -1:
+    """``blocks[idx]`` is the group's null block, by identity, and that null block is
+    kvpool's own ``KVCacheBlock`` (vLLM's code compares blocks with ``==`` / ``!=``,
+    which for kvpool's block is identity). ``mgr._null_block`` is read first (it may run
+    code: the list's bound is read after it, :func:`_list_item`; out of range: False)."""
+    null_block = mgr._null_block
+    return type(null_block) is KVCacheBlock and _list_item(blocks, idx) is null_block
 
 
 cdef bint _hybrid_group_idle(_HybridStep hp, mgr, str request_id, long long need,
@@ -432,13 +452,10 @@ cdef bint _hybrid_group_idle(_HybridStep hp, mgr, str request_id, long long need
     if t is hp.sliding_window_cls:
         if not _sliding_skip(mgr, processed, bs, len(<list>blocks), &n_skip):
             return False
-        if n_skip > 0:
-            null_block = mgr._null_block   # (it may run code: the list's bound is read again)
-            # (vLLM's walk compares with ==: the null block kvpool's own KVCacheBlock, which
-            # is equal to itself)
-            if (type(null_block) is not KVCacheBlock
-                    or _list_item(<list>blocks, n_skip - 1) is not null_block):
-                return False
+        # (vLLM's walk stops at the first block, from the last skipped one back, that is
+        # the null block: the last skipped one already is)
+        if n_skip > 0 and not _null_block_at(mgr, <list>blocks, n_skip - 1):
+            return False
     if (need + bs - 1) // bs > len(<list>blocks):
         return False
     if n_cache < 0 or mgr.enable_caching is False:   # (n_cache -1: caching delayed)

@@ -60,10 +60,7 @@ cdef bint _mamba_state_kept(mgr, dict retired, dict last_state, str request_id, 
         return False
     if last_idx >= (processed + bs - 1) // bs - 1:
         return last_idx < len(blocks)   # (vLLM reads no block; one past the table is vLLM's)
-    null_block = mgr._null_block
-    block = _list_item(blocks, last_idx)
-    # (vLLM compares with !=: kvpool's own KVCacheBlock, equal to itself)
-    return block is not None and block is null_block and type(null_block) is KVCacheBlock
+    return _null_block_at(mgr, blocks, last_idx)   # (vLLM compares with !=)
 
 
 cdef bint _mamba_tail_cached(mgr, request, str request_id, list blocks, long long n_tokens,
@@ -134,26 +131,16 @@ cdef bint _mamba_none_idle(mgr, str request_id, long long need, long long proces
         if (not _nonneg(mgr.kv_cache_spec.block_size, &spec_bs) or spec_bs != bs
                 or bs > _NATIVE_INT_LIMIT // n_spec):
             return False
-    req_to_blocks = mgr.req_to_blocks
-    partial = mgr._partial_hit_reqs
     # (num_cached_block: vLLM's get_num_blocks_to_allocate tests the request's entry, on
     # either of its branches the same count here)
-    if (not (type(req_to_blocks) is dict or type(req_to_blocks) is _defaultdict)
-            or type(partial) is not dict or type(mgr.num_cached_block) is not dict
-            or not (type(empty_list) is tuple or type(empty_list) is list) or len(empty_list) != 0):
-        return False
-    blocks = (<dict>req_to_blocks).get(request_id)
-    if type(blocks) is not list or request_id in <dict>partial:
+    blocks = _group_table(mgr, request_id, empty_list, NULL, True)
+    if blocks is None:
         return False
     n_skip = (processed - 1) // bs if processed > 1 else 0
     if n_skip > len(<list>blocks):
         n_skip = len(<list>blocks)
-    if n_skip > 0:
-        null_block = mgr._null_block   # (it may run code: the list's bound is read again)
-        # (vLLM's walk compares with ==: kvpool's own KVCacheBlock, equal to itself)
-        if (type(null_block) is not KVCacheBlock
-                or _list_item(<list>blocks, n_skip - 1) is not null_block):
-            return False
+    if n_skip > 0 and not _null_block_at(mgr, <list>blocks, n_skip - 1):   # (vLLM's walk: ==)
+        return False
     required = (need + n_spec * bs + bs - 1) // bs
     return required <= len(<list>blocks)
 

@@ -319,6 +319,44 @@ def test_the_installed_vllm_is_a_release_whose_sources_it_mirrors():
     assert fp.matching_release({**classes, "Request": Request}) is None
 
 
+def test_a_fingerprint_read_again_after_a_mirrored_function_changes_in_place(monkeypatch):
+    """The mirrored sources are read once per process (install() computes the
+    fingerprints on each call), by the identity of what was read: a method replaced on
+    vLLM's own class, or its code object replaced, is read again and refused, and the
+    release matches again once it is back."""
+    from kvpool import vllm_compat
+    from kvpool.patches import hybrid_fast_path as hfp, manager_fast_path as fp
+
+    release = vllm_compat.release_traits().version
+    classes = fp._classes()
+    cls = classes["FullAttentionManager"]
+    assert fp.matching_release() == release
+    original = cls.find_longest_cache_hit
+
+    def other(*args, **kwargs):  # another body, another code object
+        return None
+
+    with monkeypatch.context() as m:
+        m.setattr(cls, "find_longest_cache_hit", other)
+        assert fp.matching_release() is None
+    assert fp.matching_release() == release
+    func = getattr(original, "__func__", original)
+    code = func.__code__
+    with monkeypatch.context() as m:
+        m.setattr(func, "__code__", other.__code__)
+        assert fp.matching_release() is None
+    assert func.__code__ is code and fp.matching_release() == release
+    known = hfp.KNOWN_HYBRID_SOURCES.get(release)
+    if known:   # (the hybrid fingerprint, through a classmethod bound anew on each read)
+        evictable = vars(classes["SingleTypeKVCacheManager"]).get("_get_num_evictable_blocks")
+        assert hfp.hybrid_fingerprint() == known
+        if isinstance(evictable, classmethod):
+            with monkeypatch.context() as m:
+                m.setattr(evictable.__func__, "__code__", other.__code__)
+                assert hfp.hybrid_fingerprint() != known
+        assert hfp.hybrid_fingerprint() == known
+
+
 def _running(manager, rid="a", prompt_len=40):
     from vllm.v1.request import RequestStatus
 

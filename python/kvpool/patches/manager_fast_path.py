@@ -54,12 +54,12 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
-import textwrap
 import types
 from typing import Any
 
 from kvpool import allocation, envs
 from kvpool.patches import hybrid_fast_path
+from kvpool.patches.sources import _source, _vanilla, definitions_source
 
 # Method names the native path skips, which must not be set on the instances (listed
 # with the pool's in kvpool.vllm_calls).
@@ -201,14 +201,6 @@ def _classes() -> dict[str, Any]:
     }
 
 
-def _vanilla(cls: type, name: str):
-    """vLLM's function behind ``cls.name`` (seen through kvpool's own wrappers)."""
-    func = getattr(cls, name, None)
-    while func is not None and hasattr(func, "__kvpool_wrapped__"):
-        func = func.__kvpool_wrapped__
-    return func
-
-
 #: MIRRORED's classes that every native call checks (through their version tags); vLLM's
 #: ``BlockPool`` methods (through kvpool's pool) and the module functions are checked
 #: by the native cache_blocks, which alone skips them.
@@ -228,34 +220,9 @@ def _foreign_wrapper(attr) -> bool:
     return hasattr(func, "__wrapped__") and not hasattr(func, "__kvpool_wrapped__")
 
 
-def _source(func) -> str:
-    """``func``'s source, dedented (raises ``OSError``/``TypeError`` when unreadable)."""
-    return textwrap.dedent(inspect.getsource(func))
-
-
 def mirrored_source(classes: dict[str, type] | None = None) -> str:
     """:func:`definitions_source` of :data:`MIRRORED`, then :data:`LAYOUT`."""
     return definitions_source(MIRRORED + LAYOUT, classes or _classes())
-
-
-def definitions_source(entries: tuple, classes: dict[str, Any]) -> str:
-    """The sources of ``entries`` (``(class name, method or None)`` in ``classes``) as the
-    installed vLLM defines them, dedented, each under a ``# Class.method`` line (``:
-    absent`` when the release has none; ``# Class`` before a whole class; a property's
-    getter). Raises ``OSError``/``TypeError`` when a source cannot be read."""
-    parts = []
-    for cls_name, name in entries:
-        if name is None:
-            parts.append(f"# {cls_name}\n{_source(classes[cls_name])}")
-            continue
-        func = _vanilla(classes[cls_name], name)
-        if func is None:
-            parts.append(f"# {cls_name}.{name}: absent\n")
-            continue
-        if isinstance(func, property):
-            func = func.fget
-        parts.append(f"# {cls_name}.{name}\n{_source(func)}")
-    return "".join(parts)
 
 
 def source_fingerprint(classes: dict[str, type] | None = None) -> str:
