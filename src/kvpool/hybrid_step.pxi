@@ -23,6 +23,7 @@ cdef class _HybridStep:
     cdef public object mamba_cls, mamba_spec_cls   # MambaManager, MambaSpec (None: not armed)
     cdef public object no_prefix_cls         # KVCacheCoordinatorNoPrefixCache (None: not armed)
     cdef public tuple class_checks           # ((cls, name, function), ...)
+    cdef public tuple class_data             # class_data_snapshot of the classes checked
     cdef public tuple coordinator_names      # not to be set on the coordinator instance
     cdef public tuple single_type_names      # ... nor on a group's manager
     cdef public tuple mamba_names            # ... nor on a Mamba group's manager
@@ -39,6 +40,7 @@ cdef class _HybridStep:
     def __init__(self):
         self.enabled = False
         self.class_checks = self.coordinator_names = self.single_type_names = self.mamba_names = ()
+        self.class_data = ()
         self.mamba_cls = self.mamba_spec_cls = self.no_prefix_cls = None
         self.n_classes = 5
         self.step_globals = ()
@@ -81,7 +83,7 @@ cdef class _HybridStep:
                 i += 1
             if i == n:
                 return True
-        if not _resolve_to(self.class_checks):
+        if not _resolve_to(self.class_checks) or not _class_data_unchanged(self.class_data):
             self.tags[0] = 0
             return False
         for i in range(n):
@@ -140,6 +142,9 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
     _hybrid.full_spec_cls = full_spec_cls
     _hybrid.sliding_spec_cls = sliding_spec_cls
     _hybrid.class_checks = tuple(class_checks)
+    _hybrid.class_data = class_data_snapshot((coordinator_cls, full_attention_cls, sliding_window_cls,
+                                              full_spec_cls, sliding_spec_cls, mamba_cls,
+                                              mamba_spec_cls, no_prefix_cls))
     _hybrid.coordinator_names = tuple(coordinator_names)
     _hybrid.single_type_names = tuple(single_type_names)
     _hybrid.mamba_cls = mamba_cls

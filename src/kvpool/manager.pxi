@@ -75,6 +75,7 @@ cdef class _AllocateSlotsFastPath:
     cdef public object waiting, preempted, status_type
     cdef public dict manager_module_dict  # vllm.v1.core.kv_cache_manager.__dict__
     cdef public tuple class_checks        # ((cls, name, function), ...)
+    cdef public tuple class_data          # class_data_snapshot of the classes checked
     # The three entry points' parts of the eligibility check (_eligible):
     cdef public _Entry allocate_entry, cache_entry, lookup_entry
     cdef public bint enabled
@@ -133,6 +134,7 @@ cdef class _AllocateSlotsFastPath:
         self.tags[0] = self.tags[1] = self.tags[2] = self.tags[3] = self.tags[4] = 0
         self.request_cls = None
         self.no_prefix_cache_cls = None
+        self.class_data = ()
         self.pool_tag = 0
         self.map_tag = 0
 
@@ -145,7 +147,7 @@ cdef class _AllocateSlotsFastPath:
             return False
         if self.tags_match():
             return True
-        if not _resolve_to(self.class_checks):
+        if not _resolve_to(self.class_checks) or not _class_data_unchanged(self.class_data):
             self.tags[0] = 0
             return False
         self.tags[0] = kvpool_type_tag(<PyObject*>self.manager_cls)
@@ -195,6 +197,63 @@ cdef bint _resolve_to(tuple checks):
         attr = getattr(cls, name, None)
         if attr is not func and getattr(attr, "__func__", None) is not func:
             return False
+    return True
+
+
+cdef object _ABSENT = object()
+
+
+cdef bint _plain_data(obj):
+    """A class attribute that is not a method: a data descriptor (a property, a slot's
+    member descriptor, ...) or a value neither callable nor a classmethod/staticmethod."""
+    t = type(obj)
+    if getattr(t, "__set__", None) is not None or getattr(t, "__delete__", None) is not None:
+        return True
+    return not (callable(obj) or isinstance(obj, (classmethod, staticmethod)))
+
+
+cdef dict _class_data(cls):
+    """``cls``'s attributes that are not methods (:func:`_plain_data`), by name, as an
+    attribute look-up on the class finds them (the nearest class of its MRO; ``object``
+    left out). The native paths read the instances' own attributes (``req_to_blocks``,
+    ``block_size``, ...), which a data descriptor added to the class would hide, and
+    a few from the class."""
+    cdef dict found = {}
+    for base in reversed(cls.__mro__):
+        if base is not object:
+            for name, obj in vars(base).items():
+                if _plain_data(obj):
+                    found[name] = obj
+                else:
+                    found.pop(name, None)   # (a method over a base's attribute)
+    return found
+
+
+def class_data_snapshot(classes):
+    """``((cls, its attributes that are not methods), ...)`` for the classes given (None
+    left out), as :func:`_class_data_unchanged` compares them: taken when a native path
+    is armed."""
+    cdef list out = []
+    for cls in classes:
+        if cls is not None:
+            out.append((cls, _class_data(cls)))
+    return tuple(out)
+
+
+cdef bint _class_data_unchanged(tuple snapshots):
+    """Every class of ``snapshots`` (:func:`class_data_snapshot`) has the same attributes
+    that are not methods as when the path was armed, by identity: none added (a property
+    over an attribute the instances hold, which vLLM's code would read through it as
+    often as it reads the attribute), removed or replaced. Methods are the
+    ``class_checks``' (a patched method the native code skips) or not read at all.
+    Runs after a change to a class only (its version tag)."""
+    for cls, before in snapshots:
+        now = _class_data(cls)
+        if len(now) != len(<dict>before):
+            return False
+        for name, obj in now.items():
+            if (<dict>before).get(name, _ABSENT) is not obj:
+                return False
     return True
 
 
@@ -297,6 +356,8 @@ def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_att
     _fast_path.status_type = type(waiting)
     _fast_path.manager_module_dict = manager_module_dict
     _fast_path.class_checks = tuple(class_checks)
+    _fast_path.class_data = class_data_snapshot((manager_cls, coordinator_cls, full_attention_cls,
+                                                 no_prefix_cache_cls, request_cls))
     _fast_path.allocate_entry = _Entry(manager_names, coordinator_names, single_type_names,
                                        no_prefix_cache_ok=True, hybrid_ok=True)
     _fast_path.cache_entry = _Entry((), coordinator_names, single_type_names)

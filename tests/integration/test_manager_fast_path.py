@@ -1097,6 +1097,36 @@ def test_a_patched_request_property_sends_calls_to_vllm(monkeypatch):
     assert counts[0] == counts[1] > 0
 
 
+@pytest.mark.parametrize("where", ["class", "base class"])
+def test_a_property_added_over_an_instance_attribute_sends_calls_to_vllm(monkeypatch, where):
+    """A data descriptor added after install to a class whose instances the native path
+    reads (a property over ``FullAttentionManager``'s ``block_size`` that counts its
+    reads, on the class or on its base) hides the instance's value, and vLLM's code
+    reads through it as often as it reads the attribute: the call is vLLM's, with its
+    result; once the property is gone the call is native again."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SingleTypeKVCacheManager
+
+    kvpool.install()
+    manager = _manager(64)
+    req = _running(manager)
+    fast, slow = _calls()
+    manager.allocate_slots(req, 1)
+    assert _calls() == (fast + 1, slow)
+    reads = []
+
+    def block_size(self):
+        reads.append(1)
+        return self.__dict__["block_size"]
+
+    cls = FullAttentionManager if where == "class" else SingleTypeKVCacheManager
+    with monkeypatch.context() as m:
+        m.setattr(cls, "block_size", property(block_size), raising=False)
+        assert manager.allocate_slots(req, 1) is manager.empty_kv_cache_blocks
+        assert reads and _calls() == (fast + 1, slow + 1)
+    manager.allocate_slots(req, 1)
+    assert _calls() == (fast + 2, slow + 1)
+
+
 def test_the_table_given_to_vllm_s_call_is_its_request_s_and_is_cleared_after_it(monkeypatch):
     """Under ``allocation="contiguous"`` a call the native path hands to vLLM's
     ``allocate_slots`` (a new request's) tells the pool the table up front: the
