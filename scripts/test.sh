@@ -42,13 +42,30 @@ echo "== conformance: vLLM's own tests, vanilla vs kvpool"
 echo "== conformance: vLLM 0.30.0's own tests, vanilla vs kvpool"
 "$py" -m kvpool conformance --vllm-version 0.30.0 --json .ci-out/conformance-0.30.0.json
 
-echo "== debug interpreter (Py_DEBUG): suite subset + reference-count leak check"
-bash scripts/test-debug-python.sh --short
+# The two native-check stages run side by side, one core each (nothing in them is timed;
+# each has its own build directory and environment: .venv-dbg, .venv-asan). Their logs are
+# printed in this order once both have ended, each under its own header.
+echo "== native checks: debug interpreter and ASan/UBSan, side by side (.ci-out/native-*.log)"
+bash scripts/test-debug-python.sh --short > .ci-out/native-debug.log 2>&1 &
+debug_pid=$!
+bash scripts/test-sanitizers.sh --short > .ci-out/native-asan.log 2>&1 &
+asan_pid=$!
+debug_rc=0
+wait "$debug_pid" || debug_rc=$?
+asan_rc=0
+wait "$asan_pid" || asan_rc=$?
+echo "== debug interpreter (Py_DEBUG): suite subset + reference-count leak check (exit $debug_rc)"
+cat .ci-out/native-debug.log
+echo "== ASan/UBSan build of the extension: suite subset + differential tests (exit $asan_rc)"
+cat .ci-out/native-asan.log
 
-echo "== ASan/UBSan build of the extension: suite subset + differential tests"
-bash scripts/test-sanitizers.sh --short
-
+failed=0
+if [ "$debug_rc" -ne 0 ] || [ "$asan_rc" -ne 0 ]; then
+  echo "a native-check stage failed (see above)" >&2
+  failed=1
+fi
 if [ "$ratios" -ne 0 ]; then
   echo "benchmark ratios below their targets (see above)" >&2
-  exit 1
+  failed=1
 fi
+exit "$failed"
