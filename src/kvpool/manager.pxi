@@ -201,28 +201,47 @@ cdef bint _resolve_to(tuple checks):
 
 
 cdef object _ABSENT = object()
+# A class's own attributes, read through type's own descriptors (no metaclass's code runs).
+cdef object _TYPE_MRO = type.__dict__["__mro__"]
+cdef object _TYPE_DICT = type.__dict__["__dict__"]
+# Plain methods: the class_checks' concern (a skipped method patched) or not read at all.
+import types as _types
+cdef object _FUNCTION = _types.FunctionType
 
 
-cdef bint _plain_data(obj):
-    """A class attribute that is not a method: a data descriptor (a property, a slot's
-    member descriptor, ...) or a value neither callable nor a classmethod/staticmethod."""
+def _cython_function_probe():   # (its type: the Cython function type kvpool binds with)
+    pass
+
+
+cdef object _CYFUNCTION = type(_cython_function_probe)
+# Names that change how every attribute is read or set: kept whatever they hold.
+cdef frozenset _ACCESS_NAMES = frozenset(("__getattribute__", "__getattr__", "__setattr__",
+                                          "__delattr__", "__dict__", "__slots__", "__class__"))
+
+
+cdef inline bint _is_method(obj):
+    """``obj`` is exactly a Python function, a Cython function (kvpool's own bindings), or
+    exactly a classmethod or staticmethod: by its type's identity only, so that no code
+    of ``obj`` runs. Anything else is kept by :func:`_class_data`: a data descriptor, a
+    value, or a callable or descriptor of another type (whose type could gain a
+    ``__set__`` later without changing the class's version tag)."""
     t = type(obj)
-    if getattr(t, "__set__", None) is not None or getattr(t, "__delete__", None) is not None:
-        return True
-    return not (callable(obj) or isinstance(obj, (classmethod, staticmethod)))
+    return t is _FUNCTION or t is _CYFUNCTION or t is classmethod or t is staticmethod
 
 
 cdef dict _class_data(cls):
-    """``cls``'s attributes that are not methods (:func:`_plain_data`), by name, as an
-    attribute look-up on the class finds them (the nearest class of its MRO; ``object``
-    left out). The native paths read the instances' own attributes (``req_to_blocks``,
-    ``block_size``, ...), which a data descriptor added to the class would hide, and
-    a few from the class."""
+    """``cls``'s attributes other than methods (:func:`_is_method`; the names of
+    ``_ACCESS_NAMES`` always kept), by name, as an attribute look-up on the class finds
+    them (the nearest class of its MRO; ``object`` left out). The native paths read the
+    instances' own attributes (``req_to_blocks``, ``block_size``, ...), which a data
+    descriptor added to the class would hide, and a few from the class. Reads the
+    classes' dicts through ``type``'s own descriptors: no code of the classes, their
+    metaclass or their attributes runs."""
     cdef dict found = {}
-    for base in reversed(cls.__mro__):
+    for base in reversed(_TYPE_MRO.__get__(cls, type)):
         if base is not object:
-            for name, obj in vars(base).items():
-                if _plain_data(obj):
+            for name, obj in _TYPE_DICT.__get__(base, type).items():
+                if name in _ACCESS_NAMES or not _is_method(obj):
                     found[name] = obj
                 else:
                     found.pop(name, None)   # (a method over a base's attribute)
@@ -230,7 +249,7 @@ cdef dict _class_data(cls):
 
 
 def class_data_snapshot(classes):
-    """``((cls, its attributes that are not methods), ...)`` for the classes given (None
+    """``((cls, its attributes other than methods), ...)`` for the classes given (None
     left out), as :func:`_class_data_unchanged` compares them: taken when a native path
     is armed."""
     cdef list out = []

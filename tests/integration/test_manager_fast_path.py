@@ -1127,6 +1127,123 @@ def test_a_property_added_over_an_instance_attribute_sends_calls_to_vllm(monkeyp
     assert _calls() == (fast + 2, slow + 1)
 
 
+class _Hidden:
+    """A descriptor CPython treats as a data descriptor (its type's set slot is filled by
+    ``__set__ = None``) though ``getattr(type, "__set__")`` is None, and callable."""
+
+    __set__ = None
+
+    def __init__(self, name, reads):
+        self.name, self.reads = name, reads
+
+    def __call__(self, *args):
+        pass
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        self.reads.append(self.name)
+        return obj.__dict__[self.name]
+
+
+class _LaterData:
+    """A callable non-data descriptor whose type gains ``__set__`` once it is on the class
+    (no version tag of a checked class changes then)."""
+
+    def __init__(self, name, reads):
+        self.name, self.reads = name, reads
+
+    def __call__(self, *args):
+        pass
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        self.reads.append(self.name)
+        return obj.__dict__[self.name]
+
+
+class _Unbound:
+    """A lazy proxy whose ``__class__`` raises while unbound (as werkzeug's does)."""
+
+    @property
+    def __class__(self):
+        raise RuntimeError("proxy not bound")
+
+
+@pytest.mark.parametrize("case", ["hidden data descriptor", "__set__ added later", "__getattribute__",
+                                  "method descriptor", "unrelated proxy"])
+def test_what_a_class_gains_after_install_gets_vllms_call(monkeypatch, case):
+    """Attributes added after install to ``FullAttentionManager`` that change what an
+    instance read returns without being a plain property (a data descriptor by its type's
+    slot only; a descriptor whose type gains ``__set__`` after it is on the class; a
+    ``__getattribute__``; a callable descriptor that gives vLLM's function on the class and
+    a wrapper on an instance), and an unrelated attribute whose own code raises when
+    inspected: the call is vLLM's, with vLLM's reads and result, and nothing of the
+    attribute's code runs in kvpool's check."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    kvpool.install()
+    results = []
+    for allocate_slots in (_vanilla_allocate_slots(), _core.kv_cache_manager_allocate_slots):
+        manager = _manager(64)
+        req = _running(manager)
+        manager.allocate_slots(req, 1)
+        reads: list = []
+        with monkeypatch.context() as m:
+            if case == "hidden data descriptor":
+                m.setattr(FullAttentionManager, "block_size", _Hidden("block_size", reads), raising=False)
+            elif case == "__set__ added later":
+                m.setattr(FullAttentionManager, "block_size", _LaterData("block_size", reads), raising=False)
+                allocate_slots(manager, req, 1)   # (the class re-checked with it in place)
+                m.setattr(_LaterData, "__set__", lambda self, obj, value: None, raising=False)
+            elif case == "__getattribute__":
+                def getattribute(self, name):
+                    reads.append(name)
+                    return object.__getattribute__(self, name)
+
+                m.setattr(FullAttentionManager, "__getattribute__", getattribute, raising=False)
+            elif case == "method descriptor":
+                original = FullAttentionManager.allocate_new_blocks
+
+                class OnInstance:
+                    def __call__(self, *args):
+                        pass
+
+                    def __get__(self, obj, cls=None):
+                        if obj is None:
+                            return original
+                        return lambda *a, **k: (reads.append("allocate_new_blocks"), original(obj, *a, **k))[1]
+
+                m.setattr(FullAttentionManager, "allocate_new_blocks", OnInstance())
+            else:
+                m.setattr(FullAttentionManager, "some_unrelated_attr", _Unbound(), raising=False)
+            fast, slow = _calls()
+            blocks = allocate_slots(manager, req, 30)
+            if allocate_slots is _core.kv_cache_manager_allocate_slots:
+                assert _calls() == (fast, slow + 1), case
+        results.append((_summary(manager, blocks), sorted(set(reads))))
+    assert results[0] == results[1]
+    assert case == "unrelated proxy" or results[0][1], "vLLM's code read nothing through the attribute"
+
+
+def test_an_attribute_whose_code_raises_when_inspected_does_not_stop_install(monkeypatch):
+    """kvpool's snapshot of the classes at install runs none of their attributes' code:
+    an unbound lazy proxy on ``FullAttentionManager`` before install leaves install and
+    the native path as they are."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    monkeypatch.setattr(FullAttentionManager, "some_unrelated_attr", _Unbound(), raising=False)
+    kvpool.install()
+    assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
+    manager = _manager(64)
+    req = _running(manager)
+    fast, slow = _calls()
+    manager.allocate_slots(req, 1)
+    assert _calls() == (fast + 1, slow)
+
+
 def test_the_table_given_to_vllm_s_call_is_its_request_s_and_is_cleared_after_it(monkeypatch):
     """Under ``allocation="contiguous"`` a call the native path hands to vLLM's
     ``allocate_slots`` (a new request's) tells the pool the table up front: the
