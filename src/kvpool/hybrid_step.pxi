@@ -83,7 +83,8 @@ cdef class _HybridStep:
                 i += 1
             if i == n:
                 return True
-        if not _resolve_to(self.class_checks) or not _class_data_unchanged(self.class_data):
+        # (the attributes first: a replaced one refuses before _resolve_to reads it)
+        if not _class_data_unchanged(self.class_data) or not _resolve_to(self.class_checks):
             self.tags[0] = 0
             return False
         for i in range(n):

@@ -147,7 +147,8 @@ cdef class _AllocateSlotsFastPath:
             return False
         if self.tags_match():
             return True
-        if not _resolve_to(self.class_checks) or not _class_data_unchanged(self.class_data):
+        # (the attributes first: a replaced one refuses before _resolve_to reads it)
+        if not _class_data_unchanged(self.class_data) or not _resolve_to(self.class_checks):
             self.tags[0] = 0
             return False
         self.tags[0] = kvpool_type_tag(<PyObject*>self.manager_cls)
