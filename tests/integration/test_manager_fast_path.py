@@ -1127,40 +1127,33 @@ def test_a_property_added_over_an_instance_attribute_sends_calls_to_vllm(monkeyp
     assert _calls() == (fast + 2, slow + 1)
 
 
-class _Hidden:
-    """A descriptor CPython treats as a data descriptor (its type's set slot is filled by
-    ``__set__ = None``) though ``getattr(type, "__set__")`` is None, and callable."""
+class _CountingDescriptor:
+    """A callable descriptor that counts its reads from instances and returns the
+    instance's own value of ``name``."""
+
+    def __init__(self, name, reads):
+        self.name, self.reads = name, reads
+
+    def __call__(self, *args):
+        pass
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        self.reads.append(self.name)
+        return obj.__dict__[self.name]
+
+
+class _Hidden(_CountingDescriptor):
+    """A data descriptor to CPython (its type's set slot is filled by ``__set__ = None``)
+    though ``getattr(type, "__set__")`` is None."""
 
     __set__ = None
 
-    def __init__(self, name, reads):
-        self.name, self.reads = name, reads
 
-    def __call__(self, *args):
-        pass
-
-    def __get__(self, obj, cls=None):
-        if obj is None:
-            return self
-        self.reads.append(self.name)
-        return obj.__dict__[self.name]
-
-
-class _LaterData:
-    """A callable non-data descriptor whose type gains ``__set__`` once it is on the class
-    (no version tag of a checked class changes then)."""
-
-    def __init__(self, name, reads):
-        self.name, self.reads = name, reads
-
-    def __call__(self, *args):
-        pass
-
-    def __get__(self, obj, cls=None):
-        if obj is None:
-            return self
-        self.reads.append(self.name)
-        return obj.__dict__[self.name]
+class _LaterData(_CountingDescriptor):
+    """A non-data descriptor whose type gains ``__set__`` once it is on the class (no
+    version tag of a checked class changes then)."""
 
 
 class _Unbound:

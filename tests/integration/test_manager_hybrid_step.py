@@ -386,18 +386,13 @@ def test_a_patched_method_sends_hybrid_steps_to_vllm(monkeypatch, where):
                                         ("FullAttentionManager", "num_cached_block")])
 def test_a_property_added_over_an_instance_attribute_sends_hybrid_steps_to_vllm(monkeypatch, where, name):
     """A property added after install over an attribute the hybrid step reads from the
-    instances (a manager's ``req_to_blocks``, on its class or the managers' base; the
-    spec.s ``block_size``), which vLLM's code reads through it: the step is vLLM's,
-    and native again once the property is gone."""
+    instances (a manager's ``req_to_blocks`` on its class or the managers' base, the
+    full-attention manager's ``num_cached_block``), which vLLM's code reads through it:
+    the step is vLLM's, and native again once the property is gone."""
     from vllm.v1.core import single_type_kv_cache_manager
-    from vllm.v1.request import RequestStatus
 
     kvpool.install()
-    manager = _manager(200, 2, False, 3)
-    req = make_request("a", list(range(40)), max_tokens=100, block_size=BLOCK_SIZE)
-    assert manager.allocate_slots(req, 40) is not None
-    req.status, req.num_computed_tokens = RequestStatus.RUNNING, 40
-    req.append_output_token_ids(7)
+    manager, req = _decoding(_core.kv_cache_manager_allocate_slots)
     state = _core.hybrid_running_step_state()
     assert manager.allocate_slots(req, 1) is manager.empty_kv_cache_blocks
     assert _core.hybrid_running_step_state()["native_steps"] == state["native_steps"] + 1
