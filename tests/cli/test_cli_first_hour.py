@@ -147,6 +147,20 @@ def test_verdict_says_what_collapsed_what_held_and_by_how_much():
     ]
 
 
+def test_verdict_does_not_call_contiguity_that_never_fell_a_collapse():
+    """A short run whose pool never wraps (a fresh-user trial: gpt-oss, 0.894 -> 0.894)
+    is below 0.99 from its first round without falling: "no collapse", with its range;
+    a fall of at least DROP_CONTIGUITY from the first round stays "collapsed"."""
+    rep = _synthetic_report()
+    for m, r in rep["modes"].items():
+        r["rounds"] = [dict(x, contiguity=0.894 if m != "kvpool+contiguous" else 0.9 if x["round"] < 3 else 0.85)
+                       for x in r["rounds"]]
+    assert report.verdict(rep)[0] == (
+        "verdict: collapsed: kvpool+contiguous (prompt contiguity 0.900 -> 0.850, below 0.99 from round 0 "
+        "of 20); no collapse: vanilla, kvpool, kvpool+reorder (prompt contiguity 0.894-0.894 in every "
+        "round, below 0.99 from the first; did the pool wrap?).")
+
+
 # -- tables fit the terminal -------------------------------------------------------------
 def _renderable_report() -> dict:
     """:func:`_synthetic_report` with every field the terminal tables read."""
@@ -174,6 +188,20 @@ def test_replay_tables_fit_the_console_and_cut_no_value(width):
     assert "…" not in text
     for value in ("1409.7", "1967232", "BlockPool", "0.97x"):
         assert value in text
+
+
+def test_the_summary_names_the_group_its_contiguity_reads_on_a_hybrid_model():
+    """With several KV cache groups the summary's contiguity is the first full-attention
+    group's (as the per-round figures): the row says so; one group, no label."""
+    rep = _renderable_report()
+
+    def labels(groups):
+        return [label for label, _ in report._summary_rows(rep["modes"], rep["comparison"], False, False, groups)]
+
+    hybrid = labels([{"kind": "SlidingWindowSpec"}, {"kind": "FullAttentionSpec"}])
+    assert "min / mean prompt contiguity (group 1, FullAttentionSpec)" in hybrid
+    assert "min / mean prompt contiguity" in labels(None)
+    assert labels([{"kind": "FullAttentionSpec"}]) == labels(None)
 
 
 # -- plots: no line or label hides another --------------------------------------------------

@@ -638,6 +638,89 @@ def test_a_method_wrapped_by_other_code_keeps_vllms_python(monkeypatch):
     assert "a" in seen
 
 
+def _mirrored_function(classes, cls_name, name):
+    from kvpool.patches.sources import _vanilla
+
+    func = _vanilla(classes[cls_name], name)
+    return getattr(func, "__func__", func)
+
+
+def _first_with(what):
+    """The first mirrored (class name, function) of the unitary fingerprint with ``what``
+    (``"kwdefaults"``, ``"closure"``), or None on this release."""
+    from kvpool.patches import manager_fast_path as fp
+
+    classes = fp._classes()
+    for cls_name, name in fp.MIRRORED + fp.LAYOUT:
+        func = _mirrored_function(classes, cls_name, name) if name else None
+        if func is not None and getattr(func, "__" + what + "__", None):
+            return cls_name, func
+    return None
+
+
+@pytest.mark.parametrize("edit", ["defaults", "bool for int", "kwdefaults in place", "closure cell"])
+def test_a_mirrored_function_edited_in_place_is_not_fingerprinted_as_vllms(monkeypatch, edit):
+    """Defaults and closure cells change without changing the source text the
+    fingerprint reads: an edited one refuses the release, which matches again once
+    the edit is undone (read on every fingerprint, not from the per-process cache)."""
+    from kvpool import vllm_compat
+    from kvpool.patches import manager_fast_path as fp
+
+    release = vllm_compat.release_traits().version
+    assert fp.matching_release() == release
+    classes = fp._classes()
+    if edit in ("defaults", "bool for int"):
+        func = _mirrored_function(classes, "KVCacheManager", "allocate_slots")
+        defaults = func.__defaults__
+        assert type(defaults[2]) is int   # num_lookahead_tokens=0
+        value = 64 if edit == "defaults" else False
+        with monkeypatch.context() as m:
+            m.setattr(func, "__defaults__", defaults[:2] + (value,) + defaults[3:])
+            assert fp.matching_release() is None
+    elif edit == "kwdefaults in place":
+        found = _first_with("kwdefaults")
+        if found is None:
+            pytest.skip("no mirrored function with keyword-only defaults on this release")
+        kwdefaults = found[1].__kwdefaults__
+        key = next(iter(kwdefaults))
+        before = kwdefaults[key]
+        kwdefaults[key] = "edited"
+        try:
+            assert fp.matching_release() is None
+        finally:
+            kwdefaults[key] = before
+    else:
+        found = _first_with("closure")
+        if found is None:
+            pytest.skip("no mirrored function with a closure on this release")
+        cell = found[1].__closure__[0]
+        before = cell.cell_contents
+        cell.cell_contents = int   # super() would now read int's MRO
+        try:
+            assert fp.matching_release() is None
+        finally:
+            cell.cell_contents = before
+    assert fp.matching_release() == release
+
+
+def test_allocate_slots_defaults_edited_before_install_stay_vllms(monkeypatch):
+    """``allocate_slots``' ``num_lookahead_tokens`` default set to 64 before install: the
+    native path (which has its own defaults) is not bound, and a call that leaves the
+    argument out reserves the 64 tokens, as vLLM's edited function does."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    func = KVCacheManager.allocate_slots
+    defaults = func.__defaults__
+    monkeypatch.setattr(func, "__defaults__", defaults[:2] + (64,) + defaults[3:])
+    kvpool.install()
+    assert KVCacheManager.allocate_slots is not _core.kv_cache_manager_allocate_slots
+    manager = _manager(64)
+    req = _running(manager)   # (its first allocate_slots(req, 40) reserves 40 + 64 slots)
+    assert len(manager.get_block_ids("a")[0]) == -(-(40 + 64) // BLOCK_SIZE)
+    assert manager.allocate_slots(req, 1) is not None
+    assert len(manager.get_block_ids("a")[0]) == -(-(40 + 1 + 64) // BLOCK_SIZE)
+
+
 class _Index:
     """An int-like argument whose __index__ counts its calls (vLLM accepts it where it
     does arithmetic; the native path must not read it differently)."""
@@ -1222,6 +1305,57 @@ def test_what_a_class_gains_after_install_gets_vllms_call(monkeypatch, case):
     # (kvpool's re-check compares the attributes before it resolves any: vLLM's code reads
     # the method from instances only, and so do kvpool's checks, in either run)
     assert "read from the class" not in results[0][1]
+
+
+class _VllmsOnTheClass:
+    """A callable descriptor that gives vLLM's function when read from the class (what
+    ``getattr(cls, name)`` and ``inspect`` see) and a recording wrapper on an instance."""
+
+    def __init__(self, original, reads):
+        self.original, self.reads = original, reads
+
+    def __call__(self, *args):
+        pass
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self.original
+        original, reads = self.original, self.reads
+        return lambda *a, **k: (reads.append(original.__name__), original(obj, *a, **k))[1]
+
+
+def test_a_descriptor_placed_before_install_keeps_vllms_python(monkeypatch):
+    """A mirrored method replaced before install by a descriptor that reads as vLLM's
+    function on the class and wraps it on an instance: the fingerprints read the
+    classes' own dicts, not ``getattr``, so neither native path binds and the wrapper
+    sees vLLM's calls. The unitary and hybrid fingerprints match again once it is gone."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    from kvpool import vllm_compat
+    from kvpool.patches import hybrid_fast_path as hfp, manager_fast_path as fp
+
+    release = vllm_compat.release_traits().version
+    known_hybrid = hfp.KNOWN_HYBRID_SOURCES.get(release)
+    reads: list = []
+    original = FullAttentionManager.allocate_new_blocks
+    with monkeypatch.context() as m:
+        m.setattr(FullAttentionManager, "allocate_new_blocks", _VllmsOnTheClass(original, reads))
+        assert FullAttentionManager.allocate_new_blocks is original   # (what getattr sees)
+        assert fp.matching_release() is None
+        if known_hybrid:
+            assert hfp.hybrid_fingerprint() != known_hybrid
+        kvpool.install()
+        try:
+            assert KVCacheManager.allocate_slots is not _core.kv_cache_manager_allocate_slots
+            manager = _manager(64)
+            req = _running(manager)
+            manager.allocate_slots(req, 30)
+            assert reads == ["allocate_new_blocks"] * 2
+        finally:
+            kvpool.uninstall()
+    assert fp.matching_release() == release
+    assert not known_hybrid or hfp.hybrid_fingerprint() == known_hybrid
 
 
 def test_an_attribute_whose_code_raises_when_inspected_does_not_stop_install(monkeypatch):

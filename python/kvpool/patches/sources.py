@@ -4,27 +4,179 @@ fingerprints (``KNOWN_SOURCES``, ``KNOWN_HYBRID_SOURCES``, ``KNOWN_MAMBA_SOURCES
 
 from __future__ import annotations
 
+import ast
 import inspect
 import textwrap
+import types
 from typing import Any
 
+from kvpool import _core
 
-def _vanilla(cls: type, name: str):
-    """vLLM's function behind ``cls.name`` (seen through kvpool's own wrappers)."""
-    func = getattr(cls, name, None)
-    while func is not None and hasattr(func, "__kvpool_wrapped__"):
-        func = func.__kvpool_wrapped__
+_CYFUNCTION = type(_core.kv_cache_manager_allocate_slots)   # Cython's function type
+
+
+def _kvpool_wrapped(obj):
+    """What kvpool's wrapper ``obj`` wraps (its ``__kvpool_wrapped__``, read from the
+    function's own ``__dict__``: a plain or Cython function, or one under a classmethod
+    or staticmethod), else None. Runs no attribute code of a foreign object."""
+    if type(obj) is classmethod or type(obj) is staticmethod or type(obj) is types.MethodType:
+        obj = obj.__func__
+    if type(obj) is not types.FunctionType and type(obj) is not _CYFUNCTION:
+        return None
+    return obj.__dict__.get("__kvpool_wrapped__")
+
+
+def _vanilla(cls, name: str):
+    """vLLM's definition behind ``cls.name`` (seen through kvpool's own wrappers), None
+    when there is none. On a class, what the class's own ``__dict__`` holds along its
+    MRO (a function, a classmethod or staticmethod object, a property, or whatever
+    else is there), read without running a descriptor: a descriptor that gives vLLM's
+    function on the class and something else on an instance is read as itself, and
+    :func:`_source` refuses it. On a module, its attribute."""
+    if issubclass(type(cls), type):
+        func = None
+        for c in type.__dict__["__mro__"].__get__(cls):
+            d = type.__dict__["__dict__"].__get__(c)
+            if name in d:
+                func = d[name]
+                break
+    else:
+        func = getattr(cls, name, None)
+    while func is not None:
+        inner = _kvpool_wrapped(func)
+        if inner is None:
+            break
+        func = inner
     return func
 
 
 def _source(func) -> str:
-    """``func``'s source, dedented (raises ``OSError``/``TypeError`` when unreadable)."""
+    """``func``'s source, dedented: a class, a function, or a method, classmethod or
+    staticmethod of a function. Raises ``TypeError`` for anything else (a foreign
+    descriptor: its source is not what runs) and ``OSError`` when unreadable."""
+    inner = func.__func__ if type(func) in (classmethod, staticmethod, types.MethodType) else func
+    if type(inner) is not types.FunctionType and not issubclass(type(inner), type):
+        raise TypeError(f"not a plain function or class: {type(inner).__name__}")
     return textwrap.dedent(inspect.getsource(func))
 
 
 #: definitions_source's texts in this process, by what they were read from: the ids of
-#: the definitions (functions, classes, code objects), which the entry keeps alive.
-_SOURCES: dict[tuple, tuple[tuple, str]] = {}
+#: the definitions (functions, classes, code objects), which the entry keeps alive, with
+#: each function's defaults as its source declares them (:func:`_declared_defaults`).
+_SOURCES: dict[tuple, tuple[tuple, str, tuple]] = {}
+
+_NOT_LITERAL = object()   # _declared_defaults: a default that is neither literal nor name
+_MISSING = object()
+
+
+def _default_spec(node):
+    """One default's AST as ``("literal", value)`` or ``("name", ("A", "B"))`` for a
+    dotted name ``A.B`` (resolved when compared: :func:`_resolve`); raises ValueError
+    for anything else."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ("name", (node.id, *reversed(parts)))
+    if parts:
+        raise ValueError("an attribute of an expression")
+    return ("literal", ast.literal_eval(node))
+
+
+def _declared_defaults(text: str):
+    """The defaults the source ``text`` of one function declares, as
+    ``(positional specs, {keyword-only name: spec})`` (:func:`_default_spec`), or
+    ``_NOT_LITERAL`` when one is another expression (or ``text`` is not a function's)."""
+    try:
+        node = ast.parse(text).body[0]
+    except (SyntaxError, IndexError, ValueError, MemoryError, RecursionError):
+        return _NOT_LITERAL
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return _NOT_LITERAL
+    args = node.args
+    try:
+        defaults = tuple(_default_spec(d) for d in args.defaults)
+        kwdefaults = {a.arg: _default_spec(d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None}
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return _NOT_LITERAL
+    return defaults, kwdefaults
+
+
+def _resolve(path: tuple, func):
+    """Dotted name ``path`` as ``func``'s module sees it: the first part from its globals
+    (or builtins), each next one from a module's or class's own ``__dict__`` (a class's
+    along its MRO) without running attribute code; ``_MISSING`` when not found so."""
+    glb = func.__globals__
+    builtins = glb.get("__builtins__", {})
+    builtins = builtins if type(builtins) is dict else getattr(builtins, "__dict__", {})
+    obj = glb.get(path[0], builtins.get(path[0], _MISSING))
+    for part in path[1:]:
+        if issubclass(type(obj), type):
+            found = _MISSING
+            for c in type.__dict__["__mro__"].__get__(obj):
+                d = type.__dict__["__dict__"].__get__(c)
+                if part in d:
+                    found = d[part]
+                    break
+            obj = found
+        elif type(obj) is types.ModuleType:
+            obj = obj.__dict__.get(part, _MISSING)
+        else:
+            return _MISSING
+        if obj is _MISSING:
+            return _MISSING
+    return obj
+
+
+def _same_value(a, b) -> bool:
+    """``a`` and ``b`` are the same literal: same exact type and equal (tuples and dicts
+    element by element, so that ``True`` is not ``1``)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is tuple:
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    if type(a) is dict:
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _is_declared(value, spec, func) -> bool:
+    if spec[0] == "literal":
+        return _same_value(value, spec[1])
+    declared = _resolve(spec[1], func)
+    return declared is not _MISSING and (value is declared or _same_value(value, declared))
+
+
+def _edited(func, declared, owner) -> str | None:
+    """What of ``func`` (read from ``owner``, a class or module) differs from its source
+    although the source text is the same, or None: its ``__defaults__`` or
+    ``__kwdefaults__`` set to other values than the source declares (``declared``: its
+    literals, and the names as its module's globals give them now; a default that is
+    another expression counts as differing), a closure cell other than the
+    ``__class__`` of a class on ``owner``'s MRO (what ``super()`` reads)."""
+    if declared is _NOT_LITERAL:
+        return "defaults that are neither literals nor names"
+    specs, kwspecs = declared
+    defaults = func.__defaults__ or ()
+    kwdefaults = func.__kwdefaults__ or {}
+    if (type(defaults) is not tuple or len(defaults) != len(specs)
+            or not all(_is_declared(v, spec, func) for v, spec in zip(defaults, specs))):
+        return "defaults differ from its source"
+    if (type(kwdefaults) is not dict or kwdefaults.keys() != kwspecs.keys()
+            or not all(_is_declared(kwdefaults[k], kwspecs[k], func) for k in kwspecs)):
+        return "keyword-only defaults differ from its source"
+    cells = func.__closure__ or ()
+    names = func.__code__.co_freevars
+    mro = type.__dict__["__mro__"].__get__(owner) if issubclass(type(owner), type) else ()
+    for name, cell in zip(names, cells):
+        try:
+            value = cell.cell_contents
+        except ValueError:   # (an empty cell)
+            return "an empty closure cell"
+        if name != "__class__" or not any(value is c for c in mro):
+            return f"closure cell {name!r} differs"
+    return None
 
 
 def definitions_source(entries: tuple, classes: dict[str, Any]) -> str:
@@ -50,18 +202,30 @@ def definitions_source(entries: tuple, classes: dict[str, Any]) -> str:
     held = funcs + tuple(getattr(obj, "__code__", None) for obj in funcs)
     key = (entries, tuple(map(id, held)))
     cached = _SOURCES.get(key)
-    if cached is not None:
-        return cached[1]
-    parts = []
-    for (cls_name, name), obj in zip(entries, found):
-        if name is None:
-            parts.append(f"# {cls_name}\n{_source(obj)}")
-        elif obj is None:
-            parts.append(f"# {cls_name}.{name}: absent\n")
-        else:
-            parts.append(f"# {cls_name}.{name}\n{_source(obj)}")
-    text = "".join(parts)
-    if len(_SOURCES) >= 64:   # (definitions replaced again and again: keep the newest)
-        _SOURCES.pop(next(iter(_SOURCES)))
-    _SOURCES[key] = (held, text)
-    return text
+    if cached is None:
+        parts = []
+        declared = []
+        for (cls_name, name), obj in zip(entries, found):
+            if name is None:
+                parts.append(f"# {cls_name}\n{_source(obj)}")
+                declared.append(None)
+            elif obj is None:
+                parts.append(f"# {cls_name}.{name}: absent\n")
+                declared.append(None)
+            else:
+                text = _source(obj)
+                parts.append(f"# {cls_name}.{name}\n{text}")
+                declared.append(_declared_defaults(text))
+        cached = (held, "".join(parts), tuple(declared))
+        if len(_SOURCES) >= 64:   # (definitions replaced again and again: keep the newest)
+            _SOURCES.pop(next(iter(_SOURCES)))
+        _SOURCES[key] = cached
+    # Defaults and closure cells are read every time: they change in place (F5 in
+    # docs/design.md, "Binding by fingerprint"), and the text then no longer matches.
+    edits = []
+    for (cls_name, name), func, declared in zip(entries, funcs, cached[2]):
+        if declared is not None and isinstance(func, types.FunctionType):
+            what = _edited(func, declared, classes[cls_name])
+            if what is not None:
+                edits.append(f"# {cls_name}.{name}: {what}\n")
+    return cached[1] + "".join(edits)

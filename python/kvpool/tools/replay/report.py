@@ -172,8 +172,17 @@ def _ratio(key: str):
 
 
 def _summary_rows(modes: dict[str, Any], comparison: dict[str, Any], deferred: bool,
-                  continuous: bool) -> list[tuple[str, Any]]:
-    """(label, ``fn(mode, mode result, comparison entry) -> cell``) of the per-mode summary."""
+                  continuous: bool, groups: list | None = None) -> list[tuple[str, Any]]:
+    """(label, ``fn(mode, mode result, comparison entry) -> cell``) of the per-mode summary.
+    ``groups``: the KV cache groups vLLM resolved (``config.kv_cache_geometry.groups``);
+    with several, the contiguity row names the group it reads (the first full-attention
+    one, as the per-round figures do) and the descriptors row says it counts them all."""
+    contiguity_of = descriptors_of = ""
+    if groups and len(groups) > 1:
+        kinds = [g.get("kind") for g in groups]
+        primary = kinds.index("FullAttentionSpec") if "FullAttentionSpec" in kinds else 0
+        contiguity_of = f" (group {primary}, {kinds[primary]})"
+        descriptors_of = f" (all {len(groups)} groups)"
     rows: list[tuple[str, Any]] = [
         ("block pool (package:class)", _pool_class),
         ("engine steps", _total("num_steps")),
@@ -194,13 +203,13 @@ def _summary_rows(modes: dict[str, Any], comparison: dict[str, Any], deferred: b
             ("  vs vanilla", _ratio("deferred_free_ratio_vs_vanilla")),
         ]
     rows += [
-        ("min / mean prompt contiguity",
+        ("min / mean prompt contiguity" + contiguity_of,
          lambda m, r, c: f"{_f(c.get('min_contiguity'))} / {_f(c.get('mean_contiguity'))}"),
         ("highest block id used", lambda m, r, c: str(max(x["max_block_id"] for x in r["rounds"]))),
     ]
     if "prompt_descriptors_total" in next(iter(comparison.values()), {}):
         rows += [
-            ("transfer descriptors per prompt", _scaled("prompt_descriptors_per_prompt", 1, "{:.1f}")),
+            ("transfer descriptors per prompt" + descriptors_of, _scaled("prompt_descriptors_per_prompt", 1, "{:.1f}")),
             ("  vs vanilla", _ratio("prompt_descriptors_ratio_vs_vanilla")),
         ]
         if any(c.get("offload_copies_total") is not None for c in comparison.values()):
@@ -228,11 +237,12 @@ def _summary_rows(modes: dict[str, Any], comparison: dict[str, Any], deferred: b
     return rows
 
 
-def _summary_table(modes: dict[str, Any], comparison: dict[str, Any], deferred: bool, continuous: bool):
+def _summary_table(modes: dict[str, Any], comparison: dict[str, Any], deferred: bool, continuous: bool,
+                   groups: list | None = None):
     from rich.table import Table
 
     cells = [[label, *[fn(m, r, comparison.get(m, {})) for m, r in modes.items()]]
-             for label, fn in _summary_rows(modes, comparison, deferred, continuous)]
+             for label, fn in _summary_rows(modes, comparison, deferred, continuous, groups)]
     # Cells wrap between words when the console is narrow, never inside one: each
     # column is at least as wide as its longest word, so no value is cut to "1409…".
     s = Table(title="per mode, all rounds (terms: docs/replay.md, \"What is measured\")", title_justify="left")
@@ -266,7 +276,9 @@ def render_tables(report: dict[str, Any], console, per_round: bool = True) -> No
     group_report.render(report, modes, console)
     if per_round:
         _render_rounds(wl, modes, console, n, warm, deferred)
-    console.print(_summary_table(modes, report.get("comparison", {}), deferred, bool(wl.get("continuous"))))
+    groups = (report.get("config", {}).get("kv_cache_geometry") or {}).get("groups")
+    console.print(_summary_table(modes, report.get("comparison", {}), deferred, bool(wl.get("continuous")),
+                                 groups))
     if not per_round:
         console.print("per-round tables: --tables; every figure per round: the JSON", highlight=False)
 
@@ -337,11 +349,16 @@ def write_json(path: str | Path, report: dict[str, Any]) -> None:
 
 #: Prompt contiguity at or above this in every round counts as "held" in the verdict.
 HELD_CONTIGUITY = 0.99
+#: A mode below HELD_CONTIGUITY has "collapsed" when its lowest round is at least this
+#: much below its first; otherwise it stayed where it started ("no collapse").
+DROP_CONTIGUITY = 0.01
 
 
 def verdict(report: dict[str, Any]) -> list[str]:
     """One or two lines saying what the run showed: which modes' prompt-block contiguity
-    collapsed (from what to what, from which round) and which held (their minimum), then
+    collapsed (from what to what, from which round; 0-based, as the tables number
+    rounds), which stayed below ``HELD_CONTIGUITY`` from the first round without falling
+    by ``DROP_CONTIGUITY`` (their range) and which held (their minimum), then
     whether prefix-cache hits, evictions and preemptions were vanilla's and the
     scheduler CPU per step relative to vanilla's.
 
@@ -354,6 +371,7 @@ def verdict(report: dict[str, Any]) -> list[str]:
     cmp_ = report.get("comparison", {})
     held: list[str] = []
     collapsed: dict[str, list[str]] = {}
+    stayed: dict[str, list[str]] = {}
     for m, r in modes.items():
         series = [(x["round"], x["contiguity"]) for x in r["rounds"] if x.get("contiguity") is not None]
         if not series:
@@ -362,6 +380,11 @@ def verdict(report: dict[str, Any]) -> list[str]:
         if low >= HELD_CONTIGUITY:
             held.append(f"{m} (min {low:.3f})")
             continue
+        if series[0][1] - low < DROP_CONTIGUITY:
+            # below HELD_CONTIGUITY from the first round without falling (a pool that
+            # never wrapped in a short run, a workload whose prompts start mid-block)
+            stayed.setdefault(f"{low:.3f}-{max(c for _, c in series):.3f}", []).append(m)
+            continue
         first_low = next(i for i, c in series if c < HELD_CONTIGUITY)
         what = (f"{series[0][1]:.3f} -> {low:.3f}, below {HELD_CONTIGUITY} from round {first_low} "
                 f"of {len(r['rounds'])}")
@@ -369,6 +392,8 @@ def verdict(report: dict[str, Any]) -> list[str]:
     # "kvpool" is kvpool's default policy: vLLM's allocation order, by design.
     parts = [f"collapsed: {', '.join('kvpool (vLLM order, by design)' if m == 'kvpool' else m for m in ms)} "
              f"(prompt contiguity {what})" for what, ms in collapsed.items()]
+    parts += [f"no collapse: {', '.join(ms)} (prompt contiguity {span} in every round, below "
+              f"{HELD_CONTIGUITY} from the first; did the pool wrap?)" for span, ms in stayed.items()]
     if held:
         n = max(len(r["rounds"]) for r in modes.values())
         parts.append(f"held: {', '.join(held)} over {n} rounds")
