@@ -136,6 +136,28 @@ def _synthetic_report(n=20, collapse_at=14):
             "config": {"num_blocks": 1400, "block_size": 32, "seed": 0, "vllm_version": "0.33.0"}}
 
 
+def test_a_continuous_workload_leaves_out_kvpool_reorder_unless_asked(tmp_path):
+    """``serving`` never idles between rounds, so no reorder runs and ``kvpool+reorder``
+    would repeat ``kvpool``: without ``--modes`` it is left out there (a fresh-user
+    trial's finding) and kept for a drained workload."""
+    pytest.importorskip("vllm")
+    from kvpool.tools.replay import workloads
+
+    assert replay_cli.default_modes(workloads.grpo(rounds=1)) == replay_cli.MODES
+    out = tmp_path / "s.json"
+    serving = ["--workload", "serving", "--rounds", "1", "--window-steps", "20", "--num-blocks", "4000",
+               "--block-size", "16", "--no-progress", "--no-plot", "--json", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "kvpool", "replay", *serving], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert list(rep["modes"]) == rep["config"]["modes_requested"] == ["vanilla", "kvpool", "kvpool+contiguous"]
+    # (what it runs is said on stderr before the work, not only in the tables at the end)
+    start = "replay serving: 1 round(s) x vanilla, kvpool, kvpool+contiguous; pool 4000 blocks x 16 tokens"
+    assert start in proc.stderr and proc.stderr.index(start) < proc.stderr.index("wrote "), proc.stderr
+    # (named, it runs: test_replay_writes_its_json_with_the_verdict_before_the_plot_can_fail)
+
+
 def test_verdict_says_what_collapsed_what_held_and_by_how_much():
     lines = report.verdict(_synthetic_report())
     assert lines == [

@@ -1358,6 +1358,36 @@ def test_a_descriptor_placed_before_install_keeps_vllms_python(monkeypatch):
     assert not known_hybrid or hfp.hybrid_fingerprint() == known_hybrid
 
 
+class _Booby:
+    """An object whose attribute reads (``__func__``, ``__code__``, ``__class__``, ...)
+    are recorded and raise."""
+
+    def __init__(self, reads):
+        object.__setattr__(self, "_reads", reads)
+
+    def __getattribute__(self, name):
+        object.__getattribute__(self, "_reads").append(name)
+        raise RuntimeError(f"read {name}")
+
+
+def test_a_foreign_object_in_a_mirrored_method_s_place_is_refused_unread(monkeypatch):
+    """The fingerprints refuse an object that is not a function, a classmethod or
+    staticmethod of one, a property or a class in a mirrored name's place without reading
+    any of its attributes (an error from its code would otherwise leave ``install()``)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    from kvpool.patches import hybrid_fast_path as hfp, manager_fast_path as fp
+
+    reads: list = []
+    monkeypatch.setattr(FullAttentionManager, "allocate_new_blocks", _Booby(reads))
+    assert fp.matching_release() is None
+    hfp.hybrid_fingerprint()
+    assert reads == []
+    kvpool.install()
+    assert KVCacheManager.allocate_slots is not _core.kv_cache_manager_allocate_slots
+
+
 def test_an_attribute_whose_code_raises_when_inspected_does_not_stop_install(monkeypatch):
     """kvpool's snapshot of the classes at install runs none of their attributes' code:
     an unbound lazy proxy on ``FullAttentionManager`` before install leaves install and

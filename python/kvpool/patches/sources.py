@@ -15,11 +15,14 @@ from kvpool import _core
 _CYFUNCTION = type(_core.kv_cache_manager_allocate_slots)   # Cython's function type
 
 
+_METHOD_TYPES = (classmethod, staticmethod, types.MethodType)
+
+
 def _kvpool_wrapped(obj):
     """What kvpool's wrapper ``obj`` wraps (its ``__kvpool_wrapped__``, read from the
     function's own ``__dict__``: a plain or Cython function, or one under a classmethod
     or staticmethod), else None. Runs no attribute code of a foreign object."""
-    if type(obj) is classmethod or type(obj) is staticmethod or type(obj) is types.MethodType:
+    if type(obj) in _METHOD_TYPES:
         obj = obj.__func__
     if type(obj) is not types.FunctionType and type(obj) is not _CYFUNCTION:
         return None
@@ -54,7 +57,7 @@ def _source(func) -> str:
     """``func``'s source, dedented: a class, a function, or a method, classmethod or
     staticmethod of a function. Raises ``TypeError`` for anything else (a foreign
     descriptor: its source is not what runs) and ``OSError`` when unreadable."""
-    inner = func.__func__ if type(func) in (classmethod, staticmethod, types.MethodType) else func
+    inner = func.__func__ if type(func) in _METHOD_TYPES else func
     if type(inner) is not types.FunctionType and not issubclass(type(inner), type):
         raise TypeError(f"not a plain function or class: {type(inner).__name__}")
     return textwrap.dedent(inspect.getsource(func))
@@ -129,23 +132,33 @@ def _resolve(path: tuple, func):
     return obj
 
 
+#: The types whose values _same_value compares with ``==`` (their own, built-in); any
+#: other object only by identity, so that no foreign ``__eq__`` runs in a fingerprint.
+_LITERAL_TYPES = (int, float, complex, str, bytes, bool, type(None), type(...))
+
+
 def _same_value(a, b) -> bool:
-    """``a`` and ``b`` are the same literal: same exact type and equal (tuples and dicts
-    element by element, so that ``True`` is not ``1``)."""
+    """``a`` and ``b`` are the same literal: same exact type and equal (tuples, dicts, sets
+    element by element, so that ``True`` is not ``1``); another object: ``a is b``."""
+    if a is b:
+        return True
     if type(a) is not type(b):
         return False
     if type(a) is tuple:
         return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
     if type(a) is dict:
-        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
-    return a == b
+        return (len(a) == len(b) and all(type(k) in _LITERAL_TYPES for k in a)
+                and all(k in b and _same_value(a[k], b[k]) for k in a))
+    if type(a) in (set, frozenset):
+        return all(type(x) in _LITERAL_TYPES for x in a) and all(type(x) in _LITERAL_TYPES for x in b) and a == b
+    return type(a) in _LITERAL_TYPES and a == b
 
 
 def _is_declared(value, spec, func) -> bool:
     if spec[0] == "literal":
         return _same_value(value, spec[1])
     declared = _resolve(spec[1], func)
-    return declared is not _MISSING and (value is declared or _same_value(value, declared))
+    return declared is not _MISSING and _same_value(value, declared)
 
 
 def _edited(func, declared, owner) -> str | None:
@@ -194,12 +207,16 @@ def definitions_source(entries: tuple, classes: dict[str, Any]) -> str:
             found.append(classes[cls_name])
             continue
         func = _vanilla(classes[cls_name], name)
-        if isinstance(func, property):
+        if type(func) is property:
             func = func.fget
         found.append(func)
-    # (a classmethod is bound anew on each read: its function is what was read)
-    funcs = tuple(getattr(obj, "__func__", obj) for obj in found)
-    held = funcs + tuple(getattr(obj, "__code__", None) for obj in funcs)
+    # (a classmethod is bound anew on each read: its function is what was read; anything
+    # but a function, a class or None is refused before any of its attributes is read)
+    funcs = tuple(obj.__func__ if type(obj) in _METHOD_TYPES else obj for obj in found)
+    for obj in funcs:
+        if obj is not None and type(obj) is not types.FunctionType and not issubclass(type(obj), type):
+            raise TypeError(f"not a plain function or class: {type(obj).__name__}")
+    held = funcs + tuple(obj.__code__ if type(obj) is types.FunctionType else None for obj in funcs)
     key = (entries, tuple(map(id, held)))
     cached = _SOURCES.get(key)
     if cached is None:

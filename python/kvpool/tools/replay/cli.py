@@ -54,6 +54,16 @@ def _known_mode(name: str) -> bool:
     return True
 
 
+def default_modes(wl) -> tuple[str, ...]:
+    """The modes a run without ``--modes`` compares: all of :data:`MODES`, less
+    ``kvpool+reorder`` on a continuous workload (``serving``, ``pd-serving``, a continuous
+    trace), which never idles between rounds, so no reorder runs and that mode is
+    ``kvpool`` again (docs/replay.md, "Modes")."""
+    if getattr(wl, "continuous", False):
+        return tuple(m for m in MODES if m != "kvpool+reorder")
+    return MODES
+
+
 def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))  # (once each)
     bad = [m for m in modes if not _known_mode(m)]
@@ -102,9 +112,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    "continuous; with --trace: a continuous trace as pd-serving)")
     p.add_argument("--trace", metavar="FILE.jsonl",
                    help="replay a JSON-lines trace instead of a built-in workload (docs/replay.md)")
-    p.add_argument("--modes", type=_modes, default=MODES,
-                   help=f"comma-separated subset of {','.join(MODES)} (default: all), plus vanilla+immediate-order "
-                   "(the reference of deferred frees) or kvpool+contiguous+wW")
+    p.add_argument("--modes", type=_modes, default=None,
+                   help=f"comma-separated subset of {','.join(MODES)} (default: all; on a continuous workload, "
+                   "serving, pd-serving or a continuous trace, all but kvpool+reorder, which equals kvpool there), "
+                   "plus vanilla+immediate-order (the reference of deferred frees) or kvpool+contiguous+wW")
     p.add_argument("--rounds", type=cliargs.positive_int, help="number of rounds (trace: keep the first N)")
     p.add_argument("--window-steps", type=cliargs.positive_int, metavar="N",
                    help="serving and continuous traces: engine steps per round (default 1000)")
@@ -401,6 +412,7 @@ def _main(args: argparse.Namespace | list[str] | None) -> int:
         print(f"python -m kvpool replay: error: {e}", file=sys.stderr)
         return 2
     pool = PoolSpec(num_blocks=args.num_blocks, block_size=args.block_size or 32)
+    args.modes = args.modes or default_modes(wl)
 
     from rich.console import Console
 
@@ -421,6 +433,11 @@ def _main(args: argparse.Namespace | list[str] | None) -> int:
             if getattr(args, "model", None):
                 pool, geo = _resolve(args, wl)
                 geometry = geo.to_json()
+            if not args.quiet:   # (before the work: a redirected run shows what it runs)
+                err.print(f"replay {wl.name}: {wl.num_rounds} round(s) x {', '.join(args.modes)}; pool "
+                          f"{pool.num_blocks} blocks x {pool.block_size} tokens"
+                          f"{f', model {args.model}' if getattr(args, 'model', None) else ''}",
+                          highlight=False, markup=False, soft_wrap=True)
             with _Progress(args, wl, err) as progress:
                 modes = run_replay(wl, pool, args.modes, seed=args.seed, on_round=progress.on_round,
                                    on_skip=progress.on_skip, save_tables=args.save_tables,
