@@ -221,13 +221,14 @@ cdef frozenset _ACCESS_NAMES = frozenset(("__getattribute__", "__getattr__", "__
 
 
 cdef inline bint _is_method(obj):
-    """``obj`` is exactly a Python function, a Cython function (kvpool's own bindings), or
-    exactly a classmethod or staticmethod: by its type's identity only, so that no code
-    of ``obj`` runs. Anything else is kept by :func:`_class_data`: a data descriptor, a
-    value, or a callable or descriptor of another type (whose type could gain a
-    ``__set__`` later without changing the class's version tag)."""
+    """``obj`` is exactly a Python function or a Cython function (kvpool's own bindings):
+    by its type's identity only, so that no code of ``obj`` runs. Anything else is kept by
+    :func:`_class_data`: a data descriptor, a value, a classmethod or staticmethod (one
+    put over a mirrored method resolves, through ``getattr``, to the same function), or
+    a callable or descriptor of another type (whose type could gain a ``__set__`` later
+    without changing the class's version tag)."""
     t = type(obj)
-    return t is _FUNCTION or t is _CYFUNCTION or t is classmethod or t is staticmethod
+    return t is _FUNCTION or t is _CYFUNCTION
 
 
 cdef dict _class_data(cls):

@@ -1388,6 +1388,107 @@ def test_a_foreign_object_in_a_mirrored_method_s_place_is_refused_unread(monkeyp
     assert KVCacheManager.allocate_slots is not _core.kv_cache_manager_allocate_slots
 
 
+def _raising_tuple_defaults(func):
+    class T(tuple):
+        def __bool__(self):
+            raise RuntimeError("__bool__ ran")
+
+        def __len__(self):
+            raise RuntimeError("__len__ ran")
+
+    return T(func.__defaults__)
+
+
+@pytest.mark.parametrize("edit", ["foreign globals", "__getattribute__", "defaults tuple subclass",
+                                  "module subclass", "staticmethod", "classmethod", "bound method",
+                                  "fake kvpool marker", "wrapped property getter"])
+def test_edits_before_install_that_the_source_text_does_not_show_are_refused(monkeypatch, edit):
+    """An adversarial run's edits made before install that keep every mirrored source's
+    text: the same code with other globals, an attribute hook on a mirrored class, a
+    defaults tuple of another type (whose methods raise), a module of another class
+    whose attribute reads give vLLM's function, vLLM's own function put back as a
+    staticmethod / classmethod / bound method, a foreign wrapper carrying kvpool's
+    ``__kvpool_wrapped__`` attribute, a property whose getter is wrapped with
+    ``functools.wraps``. Each one refuses the release without running the edit's code
+    (``matching_release()`` None, ``install()`` keeps vLLM's ``allocate_slots``), and the
+    release matches again once it is undone."""
+    import functools
+    import types
+
+    from vllm.v1.core import kv_cache_coordinator
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SingleTypeKVCacheManager
+    from vllm.v1.request import Request
+
+    from kvpool import vllm_compat
+    from kvpool.patches import manager_fast_path as fp
+
+    release = vllm_compat.release_traits().version
+    ran: list = []
+    f = FullAttentionManager.get_num_blocks_to_allocate
+    with monkeypatch.context() as m:
+        if edit == "foreign globals":
+            g = dict(f.__globals__, cdiv=lambda a, b: (ran.append("cdiv"), -(-a // b) + 100)[1])
+            m.setattr(FullAttentionManager, "get_num_blocks_to_allocate",
+                      types.FunctionType(f.__code__, g, f.__name__, f.__defaults__, f.__closure__))
+        elif edit == "__getattribute__":
+            def getattribute(self, name):
+                return object.__getattribute__(self, name)
+
+            m.setattr(FullAttentionManager, "__getattribute__", getattribute, raising=False)
+        elif edit == "defaults tuple subclass":
+            func = KVCacheManager.allocate_slots
+            m.setattr(func, "__defaults__", _raising_tuple_defaults(func))
+        elif edit == "module subclass":
+            class Module(types.ModuleType):
+                pass
+
+            m.setattr(kv_cache_coordinator, "__class__", Module)
+        elif edit in ("staticmethod", "classmethod"):
+            m.setattr(FullAttentionManager, "get_num_blocks_to_allocate", {"staticmethod": staticmethod,
+                                                                           "classmethod": classmethod}[edit](f))
+        elif edit == "bound method":
+            m.setattr(FullAttentionManager, "get_num_blocks_to_allocate", types.MethodType(f, object()))
+        elif edit == "fake kvpool marker":
+            original = SingleTypeKVCacheManager.allocate_new_blocks
+
+            def traced(self, *args, **kwargs):
+                ran.append("traced")
+                return original(self, *args, **kwargs)
+
+            traced.__wrapped__ = traced.__kvpool_wrapped__ = original
+            m.setattr(SingleTypeKVCacheManager, "allocate_new_blocks", traced)
+        else:
+            getter = Request.num_tokens.fget
+            m.setattr(Request, "num_tokens", property(functools.wraps(getter)(lambda self: getter(self))))
+        assert fp.matching_release() is None
+        kvpool.install()
+        try:
+            assert KVCacheManager.allocate_slots is not _core.kv_cache_manager_allocate_slots
+        finally:
+            kvpool.uninstall()
+    assert ran == []
+    assert fp.matching_release() == release
+
+
+def test_a_staticmethod_put_over_a_mirrored_method_after_install_sends_calls_to_vllm(monkeypatch):
+    """vLLM's own function set back as a staticmethod after install resolves, through
+    ``getattr``, to the same function; the class re-check keeps classmethod and
+    staticmethod objects, so the call is vLLM's (which then raises, as it does
+    without kvpool)."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    kvpool.install()
+    manager = _manager(64)
+    req = _running(manager)
+    f = FullAttentionManager.get_num_blocks_to_allocate
+    monkeypatch.setattr(FullAttentionManager, "get_num_blocks_to_allocate", staticmethod(f))
+    fast, slow = _calls()
+    with pytest.raises(TypeError):
+        manager.allocate_slots(req, 30)
+    assert _calls() == (fast, slow + 1)
+
+
 def test_an_attribute_whose_code_raises_when_inspected_does_not_stop_install(monkeypatch):
     """kvpool's snapshot of the classes at install runs none of their attributes' code:
     an unbound lazy proxy on ``FullAttentionManager`` before install leaves install and

@@ -259,6 +259,7 @@ def bind(release: str, patcher=None) -> bool:
     from kvpool import _core
     from kvpool.block_pool import BlockPool
     from kvpool.patches.manager_fast_path import _bound_function, _foreign_wrapper
+    from kvpool.patches.sources import mark_kvpool_wrapper
 
     try:
         classes = hybrid_classes()
@@ -281,7 +282,8 @@ def bind(release: str, patcher=None) -> bool:
     vanilla_cache = classes["KVCacheCoordinator"].cache_blocks
     if patcher is not None and coordinator_cls.cache_blocks is vanilla_cache:
         fast_cache = _core.kv_cache_coordinator_cache_blocks
-        fast_cache.__wrapped__ = fast_cache.__kvpool_wrapped__ = vanilla_cache
+        fast_cache.__wrapped__ = vanilla_cache
+        mark_kvpool_wrapper(fast_cache, vanilla_cache)
         patcher.set_attr(coordinator_cls, "cache_blocks", fast_cache)
     # (what the classes resolve to now: under the contiguous policy its manager hooks'
     # wrappers, which an idle step has nothing to do for; the native step tells the

@@ -41,6 +41,7 @@ import functools
 from typing import Any
 
 from kvpool.errors import LazyOffloadOrderError  # (defined there, re-exported here)
+from kvpool.patches.sources import mark_kvpool_wrapper
 from kvpool.vllm_compat import release_traits
 
 if release_traits().free_blocks_evict_first:
@@ -83,7 +84,7 @@ def _refusing_reordered_pools(method):
             check_lazy_offload_pool(gpu_block_pool)
         return method(self, gpu_block_pool, *args, **kwargs)
 
-    wrapper.__kvpool_wrapped__ = method
+    mark_kvpool_wrapper(wrapper, method)
     return wrapper
 
 

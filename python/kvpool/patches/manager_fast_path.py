@@ -59,7 +59,7 @@ from typing import Any
 
 from kvpool import allocation, envs
 from kvpool.patches import hybrid_fast_path
-from kvpool.patches.sources import _source, _vanilla, definitions_source
+from kvpool.patches.sources import _source, _vanilla, definitions_source, is_kvpool_wrapper, mark_kvpool_wrapper
 
 # Method names the native path skips, which must not be set on the instances (listed
 # with the pool's in kvpool.vllm_calls).
@@ -217,7 +217,7 @@ def _bound_function(cls: type, name: str):
 def _foreign_wrapper(attr) -> bool:
     """``attr`` wraps another function (``__wrapped__``) and is not kvpool's wrapper."""
     func = getattr(attr, "__func__", attr)
-    return hasattr(func, "__wrapped__") and not hasattr(func, "__kvpool_wrapped__")
+    return hasattr(func, "__wrapped__") and not is_kvpool_wrapper(func)
 
 
 def mirrored_source(classes: dict[str, type] | None = None) -> str:
@@ -264,7 +264,8 @@ def _bind_get_block_ids(patcher, kv_cache_blocks: type) -> None:
     fingerprint = get_block_ids_fingerprint(kv_cache_blocks)
     if fingerprint is not None and fingerprint in KNOWN_GET_BLOCK_IDS.values():
         fast_ids = _core.kv_cache_blocks_get_block_ids
-        fast_ids.__wrapped__ = fast_ids.__kvpool_wrapped__ = kv_cache_blocks.get_block_ids
+        fast_ids.__wrapped__ = kv_cache_blocks.get_block_ids
+        mark_kvpool_wrapper(fast_ids, kv_cache_blocks.get_block_ids)
         patcher.set_attr(kv_cache_blocks, "get_block_ids", fast_ids)
 
 
@@ -280,7 +281,8 @@ def _bind_cache_blocks(patcher, classes: dict[str, Any]) -> bool:
         return False
     coordinator_cls = classes["UnitaryKVCacheCoordinator"]
     fast_cache = _core.kv_cache_coordinator_cache_blocks
-    fast_cache.__wrapped__ = fast_cache.__kvpool_wrapped__ = coordinator_cls.cache_blocks
+    fast_cache.__wrapped__ = coordinator_cls.cache_blocks
+    mark_kvpool_wrapper(fast_cache, coordinator_cls.cache_blocks)
     patcher.set_attr(coordinator_cls, "cache_blocks", fast_cache)
     return True
 
@@ -364,7 +366,8 @@ def _bind_get_computed_blocks(patcher, classes: dict[str, Any], traits: VllmRele
         single_type_names=_LOOKUP_SINGLE_TYPE_NAMES,
     )
     lookup = _core.kv_cache_manager_get_computed_blocks
-    lookup.__wrapped__ = lookup.__kvpool_wrapped__ = vanilla
+    lookup.__wrapped__ = vanilla
+    mark_kvpool_wrapper(lookup, vanilla)
     patcher.set_attr(manager_cls, "get_computed_blocks", lookup)
 
 
@@ -455,7 +458,8 @@ def apply(patcher) -> None:
         request_cls=classes["Request"],
     )
     fast = _core.kv_cache_manager_allocate_slots
-    fast.__wrapped__ = fast.__kvpool_wrapped__ = vanilla   # inspect.signature() shows vLLM's
+    fast.__wrapped__ = vanilla   # inspect.signature() shows vLLM's
+    mark_kvpool_wrapper(fast, vanilla)
     patcher.set_attr(manager_cls, "allocate_slots", fast)
     if native_cache:
         _bind_get_computed_blocks(patcher, classes, traits)

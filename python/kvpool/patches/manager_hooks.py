@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 
 from kvpool import allocation
+from kvpool.patches.sources import mark_kvpool_wrapper
 
 
 def _ending_table(method):
@@ -42,7 +43,7 @@ def _ending_table(method):
             pool._end_table(self, request_id)
         return blocks
 
-    wrapper.__kvpool_wrapped__ = method
+    mark_kvpool_wrapper(wrapper, method)
     return wrapper
 
 

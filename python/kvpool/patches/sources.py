@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import ast
 import inspect
+import sys
 import textwrap
 import types
+import weakref
 from typing import Any
 
 from kvpool import _core
@@ -18,14 +20,33 @@ _CYFUNCTION = type(_core.kv_cache_manager_allocate_slots)   # Cython's function 
 _METHOD_TYPES = (classmethod, staticmethod, types.MethodType)
 
 
-def _kvpool_wrapped(obj):
-    """What kvpool's wrapper ``obj`` wraps (its ``__kvpool_wrapped__``, read from the
-    function's own ``__dict__``: a plain or Cython function, or one under a classmethod
-    or staticmethod), else None. Runs no attribute code of a foreign object."""
+#: The wrappers kvpool put on vLLM's classes (:func:`mark_kvpool_wrapper`), by identity:
+#: an attribute named ``__kvpool_wrapped__`` can be set on any function.
+_KVPOOL_WRAPPERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def mark_kvpool_wrapper(wrapper, wrapped) -> None:
+    """Record ``wrapper`` (a plain or Cython function kvpool binds on a vLLM class) as
+    kvpool's own, wrapping ``wrapped``: the fingerprints read vLLM's definition through
+    it (``wrapper.__kvpool_wrapped__``), and only through kvpool's."""
+    wrapper.__kvpool_wrapped__ = wrapped
+    _KVPOOL_WRAPPERS.add(wrapper)
+
+
+def is_kvpool_wrapper(obj) -> bool:
+    """``obj`` (a function, or one under a classmethod/staticmethod) is one of kvpool's
+    wrappers (:func:`mark_kvpool_wrapper`). Runs no code of a foreign object."""
     if type(obj) in _METHOD_TYPES:
         obj = obj.__func__
-    if type(obj) is not types.FunctionType and type(obj) is not _CYFUNCTION:
+    return (type(obj) is types.FunctionType or type(obj) is _CYFUNCTION) and obj in _KVPOOL_WRAPPERS
+
+
+def _kvpool_wrapped(obj):
+    """What kvpool's wrapper ``obj`` wraps (:func:`mark_kvpool_wrapper`), else None."""
+    if not is_kvpool_wrapper(obj):
         return None
+    if type(obj) in _METHOD_TYPES:
+        obj = obj.__func__
     return obj.__dict__.get("__kvpool_wrapped__")
 
 
@@ -35,7 +56,8 @@ def _vanilla(cls, name: str):
     MRO (a function, a classmethod or staticmethod object, a property, or whatever
     else is there), read without running a descriptor: a descriptor that gives vLLM's
     function on the class and something else on an instance is read as itself, and
-    :func:`_source` refuses it. On a module, its attribute."""
+    :func:`_source` refuses it. On a module (exactly ``types.ModuleType``, else
+    ``TypeError``), its ``__dict__``'s entry."""
     if issubclass(type(cls), type):
         func = None
         for c in type.__dict__["__mro__"].__get__(cls):
@@ -43,8 +65,10 @@ def _vanilla(cls, name: str):
             if name in d:
                 func = d[name]
                 break
-    else:
-        func = getattr(cls, name, None)
+    elif type(cls) is types.ModuleType:
+        func = cls.__dict__.get(name)
+    else:   # (a module of another class: its attribute reads may run its code)
+        raise TypeError(f"not a class or a plain module: {type(cls).__name__}")
     while func is not None:
         inner = _kvpool_wrapped(func)
         if inner is None:
@@ -58,9 +82,13 @@ def _source(func) -> str:
     staticmethod of a function. Raises ``TypeError`` for anything else (a foreign
     descriptor: its source is not what runs) and ``OSError`` when unreadable."""
     inner = func.__func__ if type(func) in _METHOD_TYPES else func
-    if type(inner) is not types.FunctionType and not issubclass(type(inner), type):
+    if type(inner) is types.FunctionType:
+        # (from its code object: inspect.getsource(function) would follow a __wrapped__
+        # that functools.wraps set and read the wrapped function's source)
+        return textwrap.dedent(inspect.getsource(inner.__code__))
+    if not issubclass(type(inner), type):
         raise TypeError(f"not a plain function or class: {type(inner).__name__}")
-    return textwrap.dedent(inspect.getsource(func))
+    return textwrap.dedent(inspect.getsource(inner))
 
 
 #: definitions_source's texts in this process, by what they were read from: the ids of
@@ -104,6 +132,26 @@ def _declared_defaults(text: str):
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return _NOT_LITERAL
     return defaults, kwdefaults
+
+
+_KINDS = {classmethod: "classmethod", staticmethod: "staticmethod", property: "property",
+          types.MethodType: "bound method", types.FunctionType: "function"}
+
+
+def _declared_kind(text: str) -> str | None:
+    """``"classmethod"``, ``"staticmethod"``, ``"property"`` when the source ``text`` of a
+    function is decorated so (a bare name), else ``"function"``; None when ``text`` is
+    not a function's."""
+    try:
+        node = ast.parse(text).body[0]
+    except (SyntaxError, IndexError, ValueError, MemoryError, RecursionError):
+        return None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    for d in node.decorator_list:
+        if isinstance(d, ast.Name) and d.id in ("classmethod", "staticmethod", "property"):
+            return d.id
+    return "function"
 
 
 def _resolve(path: tuple, func):
@@ -171,12 +219,21 @@ def _edited(func, declared, owner) -> str | None:
     if declared is _NOT_LITERAL:
         return "defaults that are neither literals nor names"
     specs, kwspecs = declared
-    defaults = func.__defaults__ or ()
-    kwdefaults = func.__kwdefaults__ or {}
-    if (type(defaults) is not tuple or len(defaults) != len(specs)
+    name = func.__module__
+    module = sys.modules.get(name) if type(name) is str else None
+    if type(module) is not types.ModuleType or func.__globals__ is not module.__dict__:
+        return "globals other than its module's"
+    defaults, kwdefaults = func.__defaults__, func.__kwdefaults__
+    # (types first: a subclass's __bool__ or __len__ is not run)
+    if (defaults is not None and type(defaults) is not tuple) or \
+            (kwdefaults is not None and type(kwdefaults) is not dict):
+        return "defaults of another type"
+    defaults = () if defaults is None else defaults
+    kwdefaults = {} if kwdefaults is None else kwdefaults
+    if (len(defaults) != len(specs)
             or not all(_is_declared(v, spec, func) for v, spec in zip(defaults, specs))):
         return "defaults differ from its source"
-    if (type(kwdefaults) is not dict or kwdefaults.keys() != kwspecs.keys()
+    if (kwdefaults.keys() != kwspecs.keys()
             or not all(_is_declared(kwdefaults[k], kwspecs[k], func) for k in kwspecs)):
         return "keyword-only defaults differ from its source"
     cells = func.__closure__ or ()
@@ -202,11 +259,14 @@ def definitions_source(entries: tuple, classes: dict[str, Any]) -> str:
     replaced since, or another class, is read again (``install()`` computes the
     fingerprints on every call)."""
     found = []
+    kinds = []   # what each entry is in its class's dict (_KINDS), None for a class or absent
     for cls_name, name in entries:
         if name is None:
             found.append(classes[cls_name])
+            kinds.append(None)
             continue
         func = _vanilla(classes[cls_name], name)
+        kinds.append(None if func is None else _KINDS.get(type(func), "other"))
         if type(func) is property:
             func = func.fget
         found.append(func)
@@ -232,7 +292,7 @@ def definitions_source(entries: tuple, classes: dict[str, Any]) -> str:
             else:
                 text = _source(obj)
                 parts.append(f"# {cls_name}.{name}\n{text}")
-                declared.append(_declared_defaults(text))
+                declared.append((_declared_defaults(text), _declared_kind(text)))
         cached = (held, "".join(parts), tuple(declared))
         if len(_SOURCES) >= 64:   # (definitions replaced again and again: keep the newest)
             _SOURCES.pop(next(iter(_SOURCES)))
@@ -240,9 +300,34 @@ def definitions_source(entries: tuple, classes: dict[str, Any]) -> str:
     # Defaults and closure cells are read every time: they change in place (F5 in
     # docs/design.md, "Binding by fingerprint"), and the text then no longer matches.
     edits = []
-    for (cls_name, name), func, declared in zip(entries, funcs, cached[2]):
-        if declared is not None and isinstance(func, types.FunctionType):
-            what = _edited(func, declared, classes[cls_name])
+    for (cls_name, name), func, kind, declared in zip(entries, funcs, kinds, cached[2]):
+        if declared is None:
+            continue
+        if kind != declared[1]:   # (a staticmethod where vLLM has a method, ...)
+            edits.append(f"# {cls_name}.{name}: a {kind} where its source declares a {declared[1]}\n")
+        elif type(func) is types.FunctionType:
+            what = _edited(func, declared[0], classes[cls_name])
             if what is not None:
                 edits.append(f"# {cls_name}.{name}: {what}\n")
+    for cls_name in dict.fromkeys(c for c, _ in entries):
+        hook = _access_hook(classes[cls_name])
+        if hook is not None:
+            edits.append(f"# {cls_name}: {hook}\n")
     return cached[1] + "".join(edits)
+
+
+def _access_hook(cls) -> str | None:
+    """``"C defines __getattribute__"`` (or ``__getattr__``) for the first class ``C`` of
+    ``cls``'s MRO other than ``object`` whose own dict has one: every attribute read on
+    an instance then runs its code, which no source of a mirrored method shows. None
+    for a module or a class without one."""
+    if not issubclass(type(cls), type):
+        return None
+    for c in type.__dict__["__mro__"].__get__(cls):
+        if c is object:
+            continue
+        d = type.__dict__["__dict__"].__get__(c)
+        for hook in ("__getattribute__", "__getattr__"):
+            if hook in d:
+                return f"{type.__dict__['__name__'].__get__(c)} defines {hook}"
+    return None
