@@ -1,6 +1,6 @@
 """Type stubs for kvpool._core (the Cython extension)."""
 
-from collections.abc import Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from typing import Any, overload
 
 from typing_extensions import disjoint_base
@@ -217,6 +217,7 @@ def configure_allocate_slots_fast_path(
     request_cls: type | None = None,
 ) -> None: ...
 def disable_allocate_slots_fast_path() -> None: ...
+def configure_virtual_subclass_check(token_fn: Callable[[], object], pairs: Iterable[tuple[type, type]]) -> None: ...
 def class_data_snapshot(classes: Iterable[type | None]) -> tuple[tuple[type, dict[str, Any]], ...]: ...
 def configure_hybrid_running_step(
     *,

@@ -60,7 +60,7 @@ cdef class _HybridStep:
         :func:`_eligible` before it returns ``_HYBRID``."""
         cdef int i, n
         cdef PyObject* classes[8]
-        if not _namespace_entries_are(self.step_checks):
+        if not _namespace_entries_are(self.step_checks) or not _no_virtual_subclass():
             return False
         classes[0] = <PyObject*>self.coordinator_cls
         classes[1] = <PyObject*>self.full_attention_cls

@@ -143,7 +143,7 @@ cdef class _AllocateSlotsFastPath:
         function (checked through getattr after any change to them; a classmethod by
         the function it binds)."""
         cdef object no_cache = self.no_prefix_cache_cls
-        if not _namespace_entries_are(self.step_checks):
+        if not _namespace_entries_are(self.step_checks) or not _no_virtual_subclass():
             return False
         if self.tags_match():
             return True
@@ -191,6 +191,51 @@ cdef class _AllocateSlotsFastPath:
         self.pool_tag = kvpool_type_tag(<PyObject*>self.pool_cls)
         self.map_tag = kvpool_type_tag(<PyObject*>self.hash_map_cls)
         return True
+
+
+# vLLM's mirrored code tells managers and coordinators apart with isinstance (a
+# CrossAttentionManager, a MambaManager, a HybridKVCacheCoordinator), and an ABC's
+# register() makes any class a virtual subclass without changing a version tag.
+cdef object _abc_token_fn = None   # abc.get_cache_token (moves on every ABC's register())
+cdef tuple _abc_pairs = ()          # ((class, ABC), ...): not subclasses when armed
+cdef object _abc_token = None       # the token _abc_ok was computed at
+cdef bint _abc_ok = True
+
+
+def configure_virtual_subclass_check(token_fn, pairs):
+    """Arm :func:`_no_virtual_subclass`: ``pairs`` ``((class, ABC), ...)``, the classes
+    kvpool's native paths accept by exact type and vLLM's ABCs they are not subclasses of
+    (``issubclass`` False when armed); ``token_fn``: ``abc.get_cache_token``."""
+    global _abc_token_fn, _abc_pairs, _abc_token, _abc_ok
+    _abc_pairs = tuple(pairs)
+    _abc_token_fn = token_fn
+    _abc_token = None
+    _abc_ok = True
+
+
+cdef bint _no_virtual_subclass():
+    """No pair of ``configure_virtual_subclass_check`` has become a subclass relation
+    (``CrossAttentionManager.register(FullAttentionManager)`` would make vLLM's code
+    treat the full-attention group as cross-attention): ``issubclass`` of each pair read
+    again only when ``abc``'s cache token moved since the last reading; an error from
+    it counts as related (vLLM's call)."""
+    global _abc_token, _abc_ok
+    if _abc_token_fn is None:
+        return True
+    token = _abc_token_fn()
+    if _abc_token is not None and type(token) is int and token == _abc_token:
+        return _abc_ok
+    ok = True
+    try:
+        for sub, abc_cls in _abc_pairs:
+            if issubclass(sub, abc_cls):
+                ok = False
+                break
+    except Exception:
+        ok = False
+    _abc_token = token
+    _abc_ok = ok
+    return ok
 
 
 cdef bint _resolve_to(tuple checks):

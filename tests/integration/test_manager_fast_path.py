@@ -1489,6 +1489,57 @@ def test_a_staticmethod_put_over_a_mirrored_method_after_install_sends_calls_to_
     assert _calls() == (fast, slow + 1)
 
 
+@pytest.fixture
+def abc_registry():
+    """Undo ABC registrations of vLLM's single-type managers (``register()`` has no
+    inverse but CPython's ``_abc_registry_clear``, for tests)."""
+    from vllm.v1.core.single_type_kv_cache_manager import CrossAttentionManager, MambaManager
+
+    yield
+    for cls in (CrossAttentionManager, MambaManager):
+        cls._abc_registry_clear()
+        cls._abc_caches_clear()
+
+
+@pytest.mark.parametrize("when", ["after install", "before install"])
+def test_a_manager_registered_as_a_virtual_subclass_gets_vllms_call(abc_registry, when):
+    """``CrossAttentionManager.register(FullAttentionManager)``: vLLM's coordinator then
+    sizes the full-attention group as cross-attention (by the encoder tokens, 0 here:
+    no block), which the native arithmetic does not do. After install the call is
+    vLLM's (the ABC cache token moved); before install the native path is not bound.
+    Registering an unrelated class leaves the native path on."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import CrossAttentionManager, FullAttentionManager
+
+    class Unrelated:
+        pass
+
+    if when == "before install":
+        CrossAttentionManager.register(FullAttentionManager)
+        kvpool.install()
+        assert KVCacheManager.allocate_slots is not _core.kv_cache_manager_allocate_slots
+        return
+    kvpool.install()
+    results = []
+    for allocate_slots in (_vanilla_allocate_slots(), _core.kv_cache_manager_allocate_slots):
+        manager = _manager(64)
+        req = _running(manager)
+        CrossAttentionManager.register(Unrelated)
+        fast, slow = _calls()
+        allocate_slots(manager, req, 1)
+        if allocate_slots is _core.kv_cache_manager_allocate_slots:
+            assert _calls() == (fast + 1, slow)   # (an unrelated registration: native)
+        CrossAttentionManager.register(FullAttentionManager)
+        fast, slow = _calls()
+        blocks = allocate_slots(manager, req, 40)
+        if allocate_slots is _core.kv_cache_manager_allocate_slots:
+            assert _calls() == (fast, slow + 1)
+        results.append(_summary(manager, blocks))
+        CrossAttentionManager._abc_registry_clear()
+        CrossAttentionManager._abc_caches_clear()
+    assert results[0] == results[1]
+
+
 def test_an_attribute_whose_code_raises_when_inspected_does_not_stop_install(monkeypatch):
     """kvpool's snapshot of the classes at install runs none of their attributes' code:
     an unbound lazy proxy on ``FullAttentionManager`` before install leaves install and

@@ -51,6 +51,7 @@ methods back.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import inspect
 import logging
@@ -59,7 +60,14 @@ from typing import Any
 
 from kvpool import allocation, envs
 from kvpool.patches import hybrid_fast_path
-from kvpool.patches.sources import _source, _vanilla, definitions_source, is_kvpool_wrapper, mark_kvpool_wrapper
+from kvpool.patches.sources import (
+    _source,
+    _vanilla,
+    definitions_source,
+    is_kvpool_wrapper,
+    mark_kvpool_wrapper,
+    unrelated_abc_pairs,
+)
 
 # Method names the native path skips, which must not be set on the instances (listed
 # with the pool's in kvpool.vllm_calls).
@@ -429,6 +437,11 @@ def apply(patcher) -> None:
                          for n in _COORDINATOR_NAMES if hasattr(no_prefix_cache_cls, n)]
     vanilla = manager_cls.allocate_slots
     module_functions, step_globals = _module_checks(classes)
+    pairs = unrelated_abc_pairs()
+    if type(pairs) is str:
+        logger.info("kvpool: KVCacheManager.allocate_slots stays vLLM's Python: %s", pairs)
+        return
+    _core.configure_virtual_subclass_check(abc.get_cache_token, pairs)
     _core.configure_allocate_slots_fast_path(
         no_prefix_cache_cls=no_prefix_cache_cls,
         manager_cls=manager_cls,

@@ -1,9 +1,12 @@
 """The sources of the vLLM definitions kvpool's native code mirrors, as the installed
 vLLM defines them: what ``manager_fast_path`` and ``hybrid_fast_path`` hash into their
-fingerprints (``KNOWN_SOURCES``, ``KNOWN_HYBRID_SOURCES``, ``KNOWN_MAMBA_SOURCES``)."""
+fingerprints (``KNOWN_SOURCES``, ``KNOWN_HYBRID_SOURCES``, ``KNOWN_MAMBA_SOURCES``), with
+what their text does not show (defaults, kinds, globals, attribute hooks, virtual
+subclasses: docs/design.md, "The KV cache manager's step")."""
 
 from __future__ import annotations
 
+import abc
 import ast
 import inspect
 import sys
@@ -331,3 +334,39 @@ def _access_hook(cls) -> str | None:
             if hook in d:
                 return f"{type.__dict__['__name__'].__get__(c)} defines {hook}"
     return None
+
+
+#: The classes the native paths accept by exact type (unitary, then hybrid).
+_EXACT_CLASSES = (("kv_cache_manager", "KVCacheManager"), ("kv_cache_coordinator", "UnitaryKVCacheCoordinator"),
+                  ("kv_cache_coordinator", "KVCacheCoordinatorNoPrefixCache"),
+                  ("kv_cache_coordinator", "HybridKVCacheCoordinator"),
+                  ("single_type_kv_cache_manager", "FullAttentionManager"),
+                  ("single_type_kv_cache_manager", "SlidingWindowManager"),
+                  ("single_type_kv_cache_manager", "MambaManager"))
+
+
+def unrelated_abc_pairs() -> tuple[tuple[type, type], ...] | str:
+    """``((class, ABC), ...)``: each class of :data:`_EXACT_CLASSES` with each ABC that
+    ``vllm.v1.core``'s manager, coordinator and single-type modules define and that is
+    not on the class's MRO, the relations vLLM's ``isinstance`` checks would see and the
+    native code assumes absent (``_core.configure_virtual_subclass_check``); or, when
+    one is already a virtual subclass (an ABC's ``register()``), which (a message):
+    vLLM's code then runs."""
+    import importlib
+
+    modules = {n: importlib.import_module(f"vllm.v1.core.{n}") for n in
+               ("kv_cache_manager", "kv_cache_coordinator", "single_type_kv_cache_manager")}
+    abcs = [obj for m in modules.values() for obj in vars(m).values()
+            if isinstance(obj, abc.ABCMeta) and obj.__module__ == m.__name__]
+    pairs = []
+    for module, name in _EXACT_CLASSES:
+        cls = vars(modules[module]).get(name)
+        if not isinstance(cls, type):
+            continue
+        for target in abcs:
+            if target in cls.__mro__:
+                continue
+            if issubclass(cls, target):
+                return f"{name} is registered as a virtual subclass of {target.__name__}"
+            pairs.append((cls, target))
+    return tuple(pairs)
