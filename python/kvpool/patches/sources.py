@@ -256,7 +256,11 @@ def definitions_source(entries: tuple, classes: dict[str, Any]) -> str:
     """The sources of ``entries`` (``(class name, method or None)`` in ``classes``) as the
     installed vLLM defines them, dedented, each under a ``# Class.method`` line (``:
     absent`` when the release has none; ``# Class`` before a whole class; a property's
-    getter). Raises ``OSError``/``TypeError`` when a source cannot be read.
+    getter), then one line per difference the text does not show (an entry of another
+    kind than its source's decorators say, defaults, closure cells or globals that are
+    not the source's, a class with ``__getattribute__``/``__getattr__``). Raises
+    ``OSError``/``TypeError`` when a source cannot be read (or an entry is not a plain
+    function, classmethod, staticmethod, property or class).
 
     Read once per process for the same definitions: a function (or its code object)
     replaced since, or another class, is read again (``install()`` computes the
@@ -300,8 +304,9 @@ def definitions_source(entries: tuple, classes: dict[str, Any]) -> str:
         if len(_SOURCES) >= 64:   # (definitions replaced again and again: keep the newest)
             _SOURCES.pop(next(iter(_SOURCES)))
         _SOURCES[key] = cached
-    # Defaults and closure cells are read every time: they change in place (F5 in
-    # docs/design.md, "Binding by fingerprint"), and the text then no longer matches.
+    # What the text does not show is read every time (defaults and closure cells change
+    # in place; docs/design.md, "The KV cache manager's step"): each difference adds a
+    # line, and the text then no longer matches.
     edits = []
     for (cls_name, name), func, kind, declared in zip(entries, funcs, kinds, cached[2]):
         if declared is None:
