@@ -1210,6 +1210,26 @@ def test_a_property_added_over_an_instance_attribute_sends_calls_to_vllm(monkeyp
     assert _calls() == (fast + 2, slow + 1)
 
 
+class _VllmsOnTheClass:
+    """A callable descriptor that gives vLLM's function when read from the class (what
+    ``getattr(cls, name)`` and ``inspect`` see; recorded in ``class_reads`` when given)
+    and a wrapper recording the function's name in ``reads`` on an instance."""
+
+    def __init__(self, original, reads, class_reads=None):
+        self.original, self.reads, self.class_reads = original, reads, class_reads
+
+    def __call__(self, *args):
+        pass
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            if self.class_reads is not None:
+                self.class_reads.append("read from the class")
+            return self.original
+        original, reads = self.original, self.reads
+        return lambda *a, **k: (reads.append(original.__name__), original(obj, *a, **k))[1]
+
+
 class _CountingDescriptor:
     """A callable descriptor that counts its reads from instances and returns the
     instance's own value of ``name``."""
@@ -1279,20 +1299,9 @@ def test_what_a_class_gains_after_install_gets_vllms_call(monkeypatch, case):
                     return object.__getattribute__(self, name)
 
                 m.setattr(FullAttentionManager, "__getattribute__", getattribute, raising=False)
-            elif case == "method descriptor":
-                original = FullAttentionManager.allocate_new_blocks
-
-                class OnInstance:
-                    def __call__(self, *args):
-                        pass
-
-                    def __get__(self, obj, cls=None):
-                        if obj is None:   # (vLLM reads it from instances only)
-                            reads.append("read from the class")
-                            return original
-                        return lambda *a, **k: (reads.append("allocate_new_blocks"), original(obj, *a, **k))[1]
-
-                m.setattr(FullAttentionManager, "allocate_new_blocks", OnInstance())
+            elif case == "method descriptor":   # (vLLM reads it from instances only)
+                m.setattr(FullAttentionManager, "allocate_new_blocks",
+                          _VllmsOnTheClass(FullAttentionManager.allocate_new_blocks, reads, class_reads=reads))
             else:
                 m.setattr(FullAttentionManager, "some_unrelated_attr", _Unbound(), raising=False)
             fast, slow = _calls()
@@ -1305,23 +1314,6 @@ def test_what_a_class_gains_after_install_gets_vllms_call(monkeypatch, case):
     # (kvpool's re-check compares the attributes before it resolves any: vLLM's code reads
     # the method from instances only, and so do kvpool's checks, in either run)
     assert "read from the class" not in results[0][1]
-
-
-class _VllmsOnTheClass:
-    """A callable descriptor that gives vLLM's function when read from the class (what
-    ``getattr(cls, name)`` and ``inspect`` see) and a recording wrapper on an instance."""
-
-    def __init__(self, original, reads):
-        self.original, self.reads = original, reads
-
-    def __call__(self, *args):
-        pass
-
-    def __get__(self, obj, cls=None):
-        if obj is None:
-            return self.original
-        original, reads = self.original, self.reads
-        return lambda *a, **k: (reads.append(original.__name__), original(obj, *a, **k))[1]
 
 
 def test_a_descriptor_placed_before_install_keeps_vllms_python(monkeypatch):

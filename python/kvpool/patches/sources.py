@@ -53,6 +53,28 @@ def _kvpool_wrapped(obj):
     return obj.__dict__.get("__kvpool_wrapped__")
 
 
+def _mro_dicts(cls):
+    """``(class, its own __dict__)`` along ``cls``'s MRO, read through ``type``'s own
+    descriptors: no code of the classes or their metaclass runs."""
+    for c in type.__dict__["__mro__"].__get__(cls):
+        yield c, type.__dict__["__dict__"].__get__(c)
+
+
+def _own_attr(obj, name: str, default):
+    """``obj.name`` as the dicts hold it, without running attribute code: a class's
+    nearest entry along its MRO (:func:`_mro_dicts`), an exact ``types.ModuleType``'s
+    ``__dict__`` entry; ``default`` when absent. Raises ``TypeError`` for any other
+    object (a module of another class: its attribute reads may run its code)."""
+    if issubclass(type(obj), type):
+        for _, d in _mro_dicts(obj):
+            if name in d:
+                return d[name]
+        return default
+    if type(obj) is types.ModuleType:
+        return obj.__dict__.get(name, default)
+    raise TypeError(f"not a class or a plain module: {type(obj).__name__}")
+
+
 def _vanilla(cls, name: str):
     """vLLM's definition behind ``cls.name`` (seen through kvpool's own wrappers), None
     when there is none. On a class, what the class's own ``__dict__`` holds along its
@@ -61,17 +83,7 @@ def _vanilla(cls, name: str):
     function on the class and something else on an instance is read as itself, and
     :func:`_source` refuses it. On a module (exactly ``types.ModuleType``, else
     ``TypeError``), its ``__dict__``'s entry."""
-    if issubclass(type(cls), type):
-        func = None
-        for c in type.__dict__["__mro__"].__get__(cls):
-            d = type.__dict__["__dict__"].__get__(c)
-            if name in d:
-                func = d[name]
-                break
-    elif type(cls) is types.ModuleType:
-        func = cls.__dict__.get(name)
-    else:   # (a module of another class: its attribute reads may run its code)
-        raise TypeError(f"not a class or a plain module: {type(cls).__name__}")
+    func = _own_attr(cls, name, None)
     while func is not None:
         inner = _kvpool_wrapped(func)
         if inner is None:
@@ -166,17 +178,9 @@ def _resolve(path: tuple, func):
     builtins = builtins if type(builtins) is dict else getattr(builtins, "__dict__", {})
     obj = glb.get(path[0], builtins.get(path[0], _MISSING))
     for part in path[1:]:
-        if issubclass(type(obj), type):
-            found = _MISSING
-            for c in type.__dict__["__mro__"].__get__(obj):
-                d = type.__dict__["__dict__"].__get__(c)
-                if part in d:
-                    found = d[part]
-                    break
-            obj = found
-        elif type(obj) is types.ModuleType:
-            obj = obj.__dict__.get(part, _MISSING)
-        else:
+        try:
+            obj = _own_attr(obj, part, _MISSING)
+        except TypeError:   # (an attribute of another object: not read)
             return _MISSING
         if obj is _MISSING:
             return _MISSING
@@ -331,10 +335,9 @@ def _access_hook(cls) -> str | None:
     for a module or a class without one."""
     if not issubclass(type(cls), type):
         return None
-    for c in type.__dict__["__mro__"].__get__(cls):
+    for c, d in _mro_dicts(cls):
         if c is object:
             continue
-        d = type.__dict__["__dict__"].__get__(c)
         for hook in ("__getattribute__", "__getattr__"):
             if hook in d:
                 return f"{type.__dict__['__name__'].__get__(c)} defines {hook}"
