@@ -242,11 +242,17 @@ def group_kinds(scheduler) -> list[str]:
     return [type(g.kv_cache_spec).__name__ for g in groups]
 
 
-def primary_group(scheduler) -> int:
-    """The KV cache group whose tables the replay's single-table figures read: the
+def primary_index(kinds: list) -> int:
+    """Of KV cache groups of spec kinds ``kinds`` (:func:`group_kinds`, or the report's
+    ``kv_cache_geometry.groups[i]["kind"]``), the one the single-table figures read: the
     first full-attention group (0 when there is none, or one group)."""
-    kinds = group_kinds(scheduler)
     return kinds.index("FullAttentionSpec") if "FullAttentionSpec" in kinds else 0
+
+
+def primary_group(scheduler) -> int:
+    """The KV cache group whose tables the replay's single-table figures read
+    (:func:`primary_index` of the scheduler's groups)."""
+    return primary_index(group_kinds(scheduler))
 
 
 def cache_counts(probe: RoundProbe) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvpool.tools.replay import free_order, group_report
 from kvpool.tools.replay.plots import figure, first_wrap_round, plot  # noqa: F401 (the report's figure)
+from kvpool.tools.replay.probe import primary_index
 
 _RICH = {"vanilla": "red", "kvpool": "yellow", "kvpool+reorder": "green", "kvpool+contiguous": "blue"}
 
@@ -180,7 +181,7 @@ def _summary_rows(modes: dict[str, Any], comparison: dict[str, Any], deferred: b
     contiguity_of = descriptors_of = ""
     if groups and len(groups) > 1:
         kinds = [g.get("kind") for g in groups]
-        primary = kinds.index("FullAttentionSpec") if "FullAttentionSpec" in kinds else 0
+        primary = primary_index(kinds)
         contiguity_of = f" (group {primary}, {kinds[primary]})"
         descriptors_of = f" (all {len(groups)} groups)"
     rows: list[tuple[str, Any]] = [
