@@ -282,7 +282,6 @@ def bind(release: str, patcher=None) -> bool:
     vanilla_cache = classes["KVCacheCoordinator"].cache_blocks
     if patcher is not None and coordinator_cls.cache_blocks is vanilla_cache:
         fast_cache = _core.kv_cache_coordinator_cache_blocks
-        fast_cache.__wrapped__ = vanilla_cache
         mark_kvpool_wrapper(fast_cache, vanilla_cache)
         patcher.set_attr(coordinator_cls, "cache_blocks", fast_cache)
     # (what the classes resolve to now: under the contiguous policy its manager hooks'

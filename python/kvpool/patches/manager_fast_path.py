@@ -272,7 +272,6 @@ def _bind_get_block_ids(patcher, kv_cache_blocks: type) -> None:
     fingerprint = get_block_ids_fingerprint(kv_cache_blocks)
     if fingerprint is not None and fingerprint in KNOWN_GET_BLOCK_IDS.values():
         fast_ids = _core.kv_cache_blocks_get_block_ids
-        fast_ids.__wrapped__ = kv_cache_blocks.get_block_ids
         mark_kvpool_wrapper(fast_ids, kv_cache_blocks.get_block_ids)
         patcher.set_attr(kv_cache_blocks, "get_block_ids", fast_ids)
 
@@ -289,7 +288,6 @@ def _bind_cache_blocks(patcher, classes: dict[str, Any]) -> bool:
         return False
     coordinator_cls = classes["UnitaryKVCacheCoordinator"]
     fast_cache = _core.kv_cache_coordinator_cache_blocks
-    fast_cache.__wrapped__ = coordinator_cls.cache_blocks
     mark_kvpool_wrapper(fast_cache, coordinator_cls.cache_blocks)
     patcher.set_attr(coordinator_cls, "cache_blocks", fast_cache)
     return True
@@ -374,7 +372,6 @@ def _bind_get_computed_blocks(patcher, classes: dict[str, Any], traits: VllmRele
         single_type_names=_LOOKUP_SINGLE_TYPE_NAMES,
     )
     lookup = _core.kv_cache_manager_get_computed_blocks
-    lookup.__wrapped__ = vanilla
     mark_kvpool_wrapper(lookup, vanilla)
     patcher.set_attr(manager_cls, "get_computed_blocks", lookup)
 
@@ -471,8 +468,7 @@ def apply(patcher) -> None:
         request_cls=classes["Request"],
     )
     fast = _core.kv_cache_manager_allocate_slots
-    fast.__wrapped__ = vanilla   # inspect.signature() shows vLLM's
-    mark_kvpool_wrapper(fast, vanilla)
+    mark_kvpool_wrapper(fast, vanilla)   # (inspect.signature() shows vLLM's)
     patcher.set_attr(manager_cls, "allocate_slots", fast)
     if native_cache:
         _bind_get_computed_blocks(patcher, classes, traits)

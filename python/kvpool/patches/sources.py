@@ -31,8 +31,9 @@ _KVPOOL_WRAPPERS: weakref.WeakSet = weakref.WeakSet()
 def mark_kvpool_wrapper(wrapper, wrapped) -> None:
     """Record ``wrapper`` (a plain or Cython function kvpool binds on a vLLM class) as
     kvpool's own, wrapping ``wrapped``: the fingerprints read vLLM's definition through
-    it (``wrapper.__kvpool_wrapped__``), and only through kvpool's."""
-    wrapper.__kvpool_wrapped__ = wrapped
+    it (``wrapper.__kvpool_wrapped__``), and only through kvpool's; ``inspect`` shows
+    vLLM's signature (``__wrapped__``, as ``functools.wraps`` sets it)."""
+    wrapper.__wrapped__ = wrapper.__kvpool_wrapped__ = wrapped
     _KVPOOL_WRAPPERS.add(wrapper)
 
 
