@@ -91,6 +91,9 @@ def profile(mode: str, workload: str, rounds: int, rate: int, out: Path,
     from kvpool.cpu_platform import cpu_environment  # vLLM's CPU platform via kvpool's plugin
 
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(py_spy).exists():
+        sys.exit(f"py-spy not found (on PATH or beside {sys.executable}): "
+                 f"{sys.executable} -m pip install py-spy")
     raw = out / f"{mode.replace('+', '_')}.txt"
     cmd = [py_spy, "record", "--rate", str(rate), "--format", "raw", "--output", str(raw), "--",
            sys.executable, "-m", "kvpool", "replay", "--workload", workload, "--modes", mode,

@@ -59,9 +59,11 @@ WORKLOADS = {
     # serving on a hybrid model's KV cache groups as vLLM resolves them (full attention
     # + sliding window: docs/replay.md, "Model shapes"), POOL.num_blocks blocks, at the
     # replay's default scale (outputs of 64-1,024 tokens: at SCALE, 3-51, every step
-    # admits or prefills, and a hybrid model's prefill and caching are vLLM's Python)
-    "serving_gpt_oss": (ROUNDS, lambda: _on_model(workloads.serving(rounds=ROUNDS, window_steps=400),
-                                                  "openai/gpt-oss-20b")),
+    # admits or prefills, and a hybrid model's prefill and caching are vLLM's Python).
+    # Ten rounds, as the dense row: its rounds' ratios spread widely (1.58-2.12x in one
+    # quiet run), and a median of five moved by 0.1-0.2x between runs of one commit
+    "serving_gpt_oss": (2 * ROUNDS, lambda: _on_model(workloads.serving(rounds=2 * ROUNDS, window_steps=400),
+                                                      "openai/gpt-oss-20b")),
     # ... and on Qwen3-Next's (three Mamba groups in mamba_cache_mode="align" + full
     # attention, 1,088-token blocks): 321 blocks, what 8 GiB of KV memory gives, so the
     # pool wraps. Its idle running steps are native, Mamba groups included

@@ -37,6 +37,75 @@ cdef extern from *:
     unsigned int kvpool_type_tag(PyObject* t)
 
 
+cdef extern from *:
+    """
+    /* _not_overridden's memory of instance dicts found holding none of a tuple of
+     * method names: (dict, its ma_version_tag then, the names tuple, held). CPython
+     * 3.11 and 3.12 give a dict a process-wide unique version tag when it is created
+     * and a new one whenever it is modified, and an instance whose __dict__ has been
+     * read stores its attributes in that dict; so an unchanged (dict, tag) holds the
+     * same keys. Where that is not so (3.13's inline values beside a materialized
+     * dict; 3.14 has no version tag), nothing is remembered and every call looks. */
+    #include <stdint.h>
+    #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030D0000
+    #define KVPOOL_DICT_VERSIONS 1
+    typedef struct { PyObject* dict; uint64_t version; PyObject* names; } kvpool_absent_entry;
+    static kvpool_absent_entry kvpool_absent_cache[64];
+    static inline uint64_t kvpool_dict_version(PyObject* d) {
+    #if defined(__GNUC__)
+    #pragma GCC diagnostic push
+    #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    #endif
+        return ((PyDictObject*)d)->ma_version_tag;
+    #if defined(__GNUC__)
+    #pragma GCC diagnostic pop
+    #endif
+    }
+    static inline kvpool_absent_entry* kvpool_absent_slot(PyObject* d, PyObject* names) {
+        uintptr_t h = ((uintptr_t)d >> 4) ^ ((uintptr_t)names >> 3);
+        return &kvpool_absent_cache[(h ^ (h >> 6)) & 63];
+    }
+    #endif
+    /* The version tag of exact dict d (0 where none is kept). */
+    static uint64_t kvpool_names_version(PyObject* d) {
+    #ifdef KVPOOL_DICT_VERSIONS
+        return kvpool_dict_version(d);
+    #else
+        (void)d;
+        return 0;
+    #endif
+    }
+    /* 1: d, unchanged since, was found holding none of names. */
+    static int kvpool_names_absent_known(PyObject* d, PyObject* names) {
+    #ifdef KVPOOL_DICT_VERSIONS
+        kvpool_absent_entry* e = kvpool_absent_slot(d, names);
+        return e->dict == d && e->names == names && e->version == kvpool_dict_version(d);
+    #else
+        (void)d; (void)names;
+        return 0;
+    #endif
+    }
+    /* Remember that d at version tag `version` holds none of names (version 0: nothing). */
+    static void kvpool_names_absent_store(PyObject* d, PyObject* names, uint64_t version) {
+    #ifdef KVPOOL_DICT_VERSIONS
+        kvpool_absent_entry* e = kvpool_absent_slot(d, names);
+        PyObject* old = e->names;
+        if (version == 0) return;
+        Py_INCREF(names);
+        e->dict = d;
+        e->version = version;
+        e->names = names;
+        Py_XDECREF(old);
+    #else
+        (void)d; (void)names; (void)version;
+    #endif
+    }
+    """
+    uint64_t kvpool_names_version(PyObject* d)
+    bint kvpool_names_absent_known(PyObject* d, PyObject* names)
+    void kvpool_names_absent_store(PyObject* d, PyObject* names, uint64_t version)
+
+
 @cython.auto_pickle(False)
 cdef class _Entry:
     """One native entry point's part of the shared eligibility check (:func:`_eligible`):
@@ -493,16 +562,28 @@ cdef inline bint _nonneg(object x, long long* out):
 
 
 cdef inline bint _not_overridden(object obj, tuple names):
+    """None of ``names`` (exact strs) is set on ``obj``'s instance dict. An exact dict
+    found without them is remembered with its version tag (CPython 3.11, 3.12), so the
+    next call on the unchanged dict reads no key; a key's ``__eq__`` that changed the
+    dict during the look-ups leaves nothing remembered."""
     cdef dict d
+    cdef uint64_t version
     try:
         d = obj.__dict__
     except AttributeError:
         return True
     except TypeError:   # a __dict__ that is not a dict: not ours to reason about
         return False
+    if d is None:
+        return False
+    if kvpool_names_absent_known(<PyObject*>d, <PyObject*>names):
+        return True
+    version = kvpool_names_version(<PyObject*>d)
     for name in names:
         if name in d:
             return False
+    if version == kvpool_names_version(<PyObject*>d):
+        kvpool_names_absent_store(<PyObject*>d, <PyObject*>names, version)
     return True
 
 

@@ -249,3 +249,48 @@ def test_a_module_function_patched_after_install_is_called_as_vllm_calls_it(monk
     assert vanilla[-1] or (module, name) == ("vllm.v1.core.kv_cache_manager", "cdiv"), \
         f"vLLM's manager did not call {module}.{name}: the workload misses it"
     assert native == vanilla
+
+
+@pytest.mark.parametrize("owner,name", [("coordinator", "get_num_blocks_to_allocate"),
+                                        ("single_type", "get_num_blocks_to_allocate"),
+                                        ("pool", "get_num_free_blocks")])
+def test_an_instance_patched_between_native_calls_is_seen_at_the_next_call(owner, name):
+    """The native path remembers instance dicts found without the skipped methods (by the
+    dict's version tag): a method set on an instance after many native calls on it is
+    still seen at the very next call, which is vLLM's and calls it."""
+    from vllm.v1.request import RequestStatus
+
+    from kvpool import _core
+
+    kvpool.install()
+    try:
+        manager = _manager(40, enable_kv_cache_events=False)
+        target = _objects(manager)[owner]
+        req = make_request("r0", list(range(1, 40)), max_tokens=100, block_size=BLOCK_SIZE)
+        assert manager.allocate_slots(req, 39) is not None
+        req.num_computed_tokens = 39
+        req.status = RequestStatus.RUNNING
+        req.append_output_token_ids(7)
+        fast0 = _core.allocate_slots_fast_path_state()["fast_calls"]
+        for _ in range(5):    # decode steps that allocate nothing: native, the dicts remembered
+            assert manager.allocate_slots(req, 1) is manager.empty_kv_cache_blocks
+        assert _core.allocate_slots_fast_path_state()["fast_calls"] == fast0 + 5
+        calls = []
+        bound = getattr(target, name)
+
+        def recording(*args, **kwargs):
+            calls.append(args)
+            return bound(*args, **kwargs)
+
+        setattr(target, name, recording)
+        assert manager.allocate_slots(req, 1) is manager.empty_kv_cache_blocks
+        assert calls, "the instance's method was not called: the native path answered"
+        # (a patched get_num_free_blocks the native step calls itself, as vLLM's does;
+        # the other two send the call to vLLM's code)
+        native = owner == "pool"
+        assert _core.allocate_slots_fast_path_state()["fast_calls"] == fast0 + 5 + native
+        delattr(target, name)   # the dict changes again: native once more
+        assert manager.allocate_slots(req, 1) is manager.empty_kv_cache_blocks
+        assert _core.allocate_slots_fast_path_state()["fast_calls"] == fast0 + 6 + native
+    finally:
+        kvpool.uninstall()
