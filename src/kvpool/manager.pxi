@@ -41,10 +41,10 @@ cdef extern from *:
     """
     /* _not_overridden's memory of instance dicts found holding none of a tuple of
      * method names: (dict, its ma_version_tag then, the names tuple, held). CPython
-     * 3.11 and 3.12 give a dict a process-wide unique version tag when it is created
-     * and a new one whenever it is modified, and an instance whose __dict__ has been
-     * read stores its attributes in that dict; so an unchanged (dict, tag) holds the
-     * same keys. Where that is not so (3.13's inline values beside a materialized
+     * 3.11 and 3.12 give a dict a version tag unique in the interpreter when it is
+     * created and a new one whenever it is modified, and an instance whose __dict__ has
+     * been read stores its attributes in that dict; so an unchanged (dict, tag) holds
+     * the same keys. Where that is not so (3.13's inline values beside a materialized
      * dict; 3.14 has no version tag), nothing is remembered and every call looks. */
     #include <stdint.h>
     #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030D0000
