@@ -85,12 +85,19 @@ cdef extern from *:
         return 0;
     #endif
     }
-    /* Remember that d at version tag `version` holds none of names (version 0: nothing). */
+    /* Remember that d at version tag `version` holds none of names (version 0: nothing).
+     * Only a dict whose keys are all exact strs: another key's __eq__ may answer a look-up
+     * differently later without changing the dict (PyDict_Next runs no Python code). */
     static void kvpool_names_absent_store(PyObject* d, PyObject* names, uint64_t version) {
     #ifdef KVPOOL_DICT_VERSIONS
         kvpool_absent_entry* e = kvpool_absent_slot(d, names);
         PyObject* old = e->names;
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
         if (version == 0) return;
+        while (PyDict_Next(d, &pos, &key, &value)) {
+            if (!PyUnicode_CheckExact(key)) return;
+        }
         Py_INCREF(names);
         e->dict = d;
         e->version = version;
@@ -563,9 +570,10 @@ cdef inline bint _nonneg(object x, long long* out):
 
 cdef inline bint _not_overridden(object obj, tuple names):
     """None of ``names`` (exact strs) is set on ``obj``'s instance dict. An exact dict
-    found without them is remembered with its version tag (CPython 3.11, 3.12), so the
-    next call on the unchanged dict reads no key; a key's ``__eq__`` that changed the
-    dict during the look-ups leaves nothing remembered."""
+    of exact-str keys found without them is remembered with its version tag (CPython
+    3.11, 3.12), so the next call on the unchanged dict reads no key; a dict holding
+    another key (whose ``__eq__`` may answer differently later without changing the
+    dict), or changed during the look-ups, is not remembered."""
     cdef dict d
     cdef uint64_t version
     try:

@@ -294,3 +294,52 @@ def test_an_instance_patched_between_native_calls_is_seen_at_the_next_call(owner
         assert _core.allocate_slots_fast_path_state()["fast_calls"] == fast0 + 6 + native
     finally:
         kvpool.uninstall()
+
+
+def test_a_key_whose_eq_changes_its_answer_is_looked_up_at_every_call():
+    """A dict holding a key that is not an exact str is not remembered: its ``__eq__``
+    may start to match a skipped method's name without changing the dict (found by an
+    adversarial run against the version-tag memory), and ``self.name`` then finds what
+    it maps to, so the next call must be vLLM's."""
+    from vllm.v1.request import RequestStatus
+
+    from kvpool import _core
+
+    name = "get_num_blocks_to_allocate"
+    state = {"match": False}
+
+    class Key:
+        def __hash__(self):
+            return hash(name)
+
+        def __eq__(self, other):
+            return state["match"] and other == name
+
+    kvpool.install()
+    try:
+        manager = _manager(40, enable_kv_cache_events=False)
+        coordinator = manager.coordinator
+        req = make_request("r0", list(range(1, 40)), max_tokens=100, block_size=BLOCK_SIZE)
+        assert manager.allocate_slots(req, 39) is not None
+        req.num_computed_tokens = 39
+        req.status = RequestStatus.RUNNING
+        req.append_output_token_ids(7)
+        calls = []
+        bound = getattr(coordinator, name)
+
+        def recording(*args, **kwargs):
+            calls.append(args)
+            return bound(*args, **kwargs)
+
+        coordinator.__dict__[Key()] = recording
+        fast0 = _core.allocate_slots_fast_path_state()["fast_calls"]
+        for _ in range(3):    # the key matches nothing yet: native
+            assert manager.allocate_slots(req, 1) is manager.empty_kv_cache_blocks
+        assert _core.allocate_slots_fast_path_state()["fast_calls"] == fast0 + 3 and not calls
+        state["match"] = True    # the dict unchanged; coordinator.<name> is now the recording
+        assert getattr(coordinator, name) is recording
+        assert manager.allocate_slots(req, 1) is manager.empty_kv_cache_blocks
+        assert calls, "the native path answered, although vLLM's code would call the recording"
+        assert _core.allocate_slots_fast_path_state()["fast_calls"] == fast0 + 3
+    finally:
+        kvpool.uninstall()
