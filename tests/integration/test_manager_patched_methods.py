@@ -251,6 +251,19 @@ def test_a_module_function_patched_after_install_is_called_as_vllm_calls_it(monk
     assert native == vanilla
 
 
+def _decoding_request(manager):
+    """A request whose 39-token prompt is allocated on ``manager`` and that decodes: its
+    next ``allocate_slots(req, 1)`` calls allocate nothing."""
+    from vllm.v1.request import RequestStatus
+
+    req = make_request("r0", list(range(1, 40)), max_tokens=100, block_size=BLOCK_SIZE)
+    assert manager.allocate_slots(req, 39) is not None
+    req.num_computed_tokens = 39
+    req.status = RequestStatus.RUNNING
+    req.append_output_token_ids(7)
+    return req
+
+
 @pytest.mark.parametrize("owner,name", [("coordinator", "get_num_blocks_to_allocate"),
                                         ("single_type", "get_num_blocks_to_allocate"),
                                         ("pool", "get_num_free_blocks")])
@@ -258,19 +271,13 @@ def test_an_instance_patched_between_native_calls_is_seen_at_the_next_call(owner
     """The native path remembers instance dicts found without the skipped methods (by the
     dict's version tag): a method set on an instance after many native calls on it is
     still seen at the very next call, which is vLLM's and calls it."""
-    from vllm.v1.request import RequestStatus
-
     from kvpool import _core
 
     kvpool.install()
     try:
         manager = _manager(40, enable_kv_cache_events=False)
         target = _objects(manager)[owner]
-        req = make_request("r0", list(range(1, 40)), max_tokens=100, block_size=BLOCK_SIZE)
-        assert manager.allocate_slots(req, 39) is not None
-        req.num_computed_tokens = 39
-        req.status = RequestStatus.RUNNING
-        req.append_output_token_ids(7)
+        req = _decoding_request(manager)
         fast0 = _core.allocate_slots_fast_path_state()["fast_calls"]
         for _ in range(5):    # decode steps that allocate nothing: native, the dicts remembered
             assert manager.allocate_slots(req, 1) is manager.empty_kv_cache_blocks
@@ -301,8 +308,6 @@ def test_a_key_whose_eq_changes_its_answer_is_looked_up_at_every_call():
     may start to match a skipped method's name without changing the dict (found by an
     adversarial run against the version-tag memory), and ``self.name`` then finds what
     it maps to, so the next call must be vLLM's."""
-    from vllm.v1.request import RequestStatus
-
     from kvpool import _core
 
     name = "get_num_blocks_to_allocate"
@@ -319,11 +324,7 @@ def test_a_key_whose_eq_changes_its_answer_is_looked_up_at_every_call():
     try:
         manager = _manager(40, enable_kv_cache_events=False)
         coordinator = manager.coordinator
-        req = make_request("r0", list(range(1, 40)), max_tokens=100, block_size=BLOCK_SIZE)
-        assert manager.allocate_slots(req, 39) is not None
-        req.num_computed_tokens = 39
-        req.status = RequestStatus.RUNNING
-        req.append_output_token_ids(7)
+        req = _decoding_request(manager)
         calls = []
         bound = getattr(coordinator, name)
 
