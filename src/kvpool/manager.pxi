@@ -359,11 +359,20 @@ cdef dict _class_data(cls):
     instances' own attributes (``req_to_blocks``, ``block_size``, ...), which a data
     descriptor added to the class would hide, and a few from the class. Reads the
     classes' dicts through ``type``'s own descriptors: no code of the classes, their
-    metaclass or their attributes runs."""
+    metaclass or their attributes runs.
+
+    Left out: ``__slotnames__`` holding exactly a list, which ``copyreg._slotnames``
+    stores on an instance's class the first time the instance is copied or pickled
+    (``copy.copy(coordinator)``, ``__reduce_ex__(2)`` and up). Only ``copyreg`` reads
+    it; neither vLLM's mirrored methods nor the native paths do, so it changes nothing
+    they read, and keeping it would turn the native path off for the rest of the
+    process after one copy."""
     cdef dict found = {}
     for base in reversed(_TYPE_MRO.__get__(cls, type)):
         if base is not object:
             for name, obj in _TYPE_DICT.__get__(base, type).items():
+                if name == "__slotnames__" and type(obj) is list:
+                    continue   # (copyreg's cache of a class's slot names: below)
                 if name in _ACCESS_NAMES or not _is_method(obj):
                     found[name] = obj
                 else:

@@ -1210,6 +1210,34 @@ def test_a_property_added_over_an_instance_attribute_sends_calls_to_vllm(monkeyp
     assert _calls() == (fast + 2, slow + 1)
 
 
+@pytest.mark.parametrize("copied", ["manager", "coordinator", "single-type manager", "pool", "request"])
+def test_copying_an_object_keeps_calls_native(copied):
+    """``copy.copy`` of an object the native path reads (a test's snapshot, a plugin's):
+    ``copyreg`` stores ``__slotnames__`` on its class the first time, a class attribute
+    neither vLLM's mirrored code nor the native path reads. The next call stays native
+    (before, the class re-check counted it as a changed class and every later call in
+    the process was vLLM's)."""
+    import copy
+
+    kvpool.install()
+    manager = _manager(64)
+    req = _running(manager)
+    obj = {"manager": manager, "coordinator": manager.coordinator,
+           "single-type manager": manager.coordinator.single_type_managers[0],
+           "pool": manager.block_pool, "request": req}[copied]
+    cls = type(obj)
+    had = "__slotnames__" in cls.__dict__
+    try:
+        copy.copy(obj)
+        assert "__slotnames__" in cls.__dict__   # (what the case is about)
+        fast, slow = _calls()
+        manager.allocate_slots(req, 1)
+        assert _calls() == (fast + 1, slow)
+    finally:
+        if not had and "__slotnames__" in cls.__dict__:
+            type.__delattr__(cls, "__slotnames__")
+
+
 class _VllmsOnTheClass:
     """A callable descriptor that gives vLLM's function when read from the class (what
     ``getattr(cls, name)`` and ``inspect`` see; recorded in ``class_reads`` when given)

@@ -516,3 +516,31 @@ def test_what_vllm_reads_is_read_as_vllm_reads_it(monkeypatch, case):
             assert _core.hybrid_running_step_state()["native_steps"] == before or case == "delayed caching"
         outcomes.append((outcome, calls))
     assert outcomes[0] == outcomes[1]
+
+
+@needs_known_release
+@pytest.mark.parametrize("copied", ["manager", "coordinator", "single-type manager", "pool"])
+def test_copying_an_object_keeps_the_hybrid_step_native(copied):
+    """``copy.copy`` of the KV cache manager, its coordinator, a group's manager or the
+    pool (a test's snapshot, a plugin's): ``copyreg`` stores ``__slotnames__`` on the
+    object's class the first time, a class attribute nothing the step reads. The next
+    hybrid step stays native (a change of the classes' other attributes sends it to
+    vLLM: test_a_property_added_over_an_instance_attribute_sends_hybrid_steps_to_vllm)."""
+    import copy
+
+    kvpool.install()
+    manager, req = _decoding(_core.kv_cache_manager_allocate_slots)
+    obj = {"manager": manager, "coordinator": manager.coordinator,
+           "single-type manager": manager.coordinator.single_type_managers[0],
+           "pool": manager.block_pool}[copied]
+    cls = type(obj)
+    had = "__slotnames__" in cls.__dict__
+    try:
+        copy.copy(obj)
+        assert "__slotnames__" in cls.__dict__   # (what the case is about)
+        state = _core.hybrid_running_step_state()
+        assert manager.allocate_slots(req, 1) is manager.empty_kv_cache_blocks
+        assert _core.hybrid_running_step_state()["native_steps"] == state["native_steps"] + 1
+    finally:
+        if not had and "__slotnames__" in cls.__dict__:
+            type.__delattr__(cls, "__slotnames__")
