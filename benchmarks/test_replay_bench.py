@@ -69,7 +69,7 @@ WORKLOADS = {
     # pool wraps. Its idle running steps are native, Mamba groups included
     # (docs/performance.md, "Hybrid models"). Ten rounds, as the two rows above: a
     # clean-clone run on 2026-12-06 measured its five rounds' ratios 1.52-2.65x
-    # (median 1.70x) where the runs before measured 2.05-2.39x.
+    # (median 1.70x) where the clean-clone runs before measured 1.98-2.56x.
     "serving_qwen3_next": (2 * ROUNDS, lambda: _on_model(workloads.serving(rounds=2 * ROUNDS, window_steps=400),
                                                          "Qwen/Qwen3-Next-80B-A3B-Instruct")),
     # ... and with prefix caching off (the replay's --prefix-caching off): vLLM's
