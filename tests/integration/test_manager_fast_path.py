@@ -29,7 +29,7 @@ import kvpool
 from kvpool import _core
 from kvpool.block_hash_map import BLOCK_IDS_MAP
 from tests.support.map_view import map_entries
-from tests.support.scheduler import make_request
+from tests.support.scheduler import copied_once, make_request
 
 
 def _put_several(hash_map, key, first_id, first_value) -> None:
@@ -1217,25 +1217,16 @@ def test_copying_an_object_keeps_calls_native(copied):
     neither vLLM's mirrored code nor the native path reads. The next call stays native
     (before, the class re-check counted it as a changed class and every later call in
     the process was vLLM's)."""
-    import copy
-
     kvpool.install()
     manager = _manager(64)
     req = _running(manager)
     obj = {"manager": manager, "coordinator": manager.coordinator,
            "single-type manager": manager.coordinator.single_type_managers[0],
            "pool": manager.block_pool, "request": req}[copied]
-    cls = type(obj)
-    had = "__slotnames__" in cls.__dict__
-    try:
-        copy.copy(obj)
-        assert "__slotnames__" in cls.__dict__   # (what the case is about)
+    with copied_once(obj):
         fast, slow = _calls()
         manager.allocate_slots(req, 1)
         assert _calls() == (fast + 1, slow)
-    finally:
-        if not had and "__slotnames__" in cls.__dict__:
-            type.__delattr__(cls, "__slotnames__")
 
 
 class _VllmsOnTheClass:

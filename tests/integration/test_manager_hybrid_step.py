@@ -29,7 +29,7 @@ from kvpool import _core
 from kvpool.patches import hybrid_fast_path
 from tests.integration.test_manager_fast_path import _summary, _vanilla_allocate_slots
 from tests.support.map_view import map_entries
-from tests.support.scheduler import kv_cache_groups, make_request
+from tests.support.scheduler import copied_once, kv_cache_groups, make_request
 
 # Native code reading and changing vLLM's objects (hybrid_step.pxi, hybrid_alloc.pxi,
 # hybrid_cache.pxi): also run under ASan/UBSan and the Py_DEBUG interpreter
@@ -526,21 +526,12 @@ def test_copying_an_object_keeps_the_hybrid_step_native(copied):
     object's class the first time, a class attribute nothing the step reads. The next
     hybrid step stays native (a change of the classes' other attributes sends it to
     vLLM: test_a_property_added_over_an_instance_attribute_sends_hybrid_steps_to_vllm)."""
-    import copy
-
     kvpool.install()
     manager, req = _decoding(_core.kv_cache_manager_allocate_slots)
     obj = {"manager": manager, "coordinator": manager.coordinator,
            "single-type manager": manager.coordinator.single_type_managers[0],
            "pool": manager.block_pool}[copied]
-    cls = type(obj)
-    had = "__slotnames__" in cls.__dict__
-    try:
-        copy.copy(obj)
-        assert "__slotnames__" in cls.__dict__   # (what the case is about)
+    with copied_once(obj):
         state = _core.hybrid_running_step_state()
         assert manager.allocate_slots(req, 1) is manager.empty_kv_cache_blocks
         assert _core.hybrid_running_step_state()["native_steps"] == state["native_steps"] + 1
-    finally:
-        if not had and "__slotnames__" in cls.__dict__:
-            type.__delattr__(cls, "__slotnames__")

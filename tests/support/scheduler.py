@@ -9,6 +9,9 @@ config.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+
 import torch
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.utils.hashing import sha256
@@ -90,3 +93,19 @@ def block_ids(blocks) -> list[int]:
 def eviction_order(pool) -> list[int]:
     """Free block ids of ``pool`` in eviction order (first evicted first)."""
     return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+
+
+@contextlib.contextmanager
+def copied_once(obj):
+    """``copy.copy(obj)`` inside the block, which makes ``copyreg`` store ``__slotnames__``
+    (a list) on ``type(obj)`` the first time (asserted); removed again on exit if it was
+    not there before, so that later tests see vLLM's classes unchanged."""
+    cls = type(obj)
+    had = "__slotnames__" in cls.__dict__
+    try:
+        copy.copy(obj)
+        assert "__slotnames__" in cls.__dict__   # (what a caller's case is about)
+        yield
+    finally:
+        if not had and "__slotnames__" in cls.__dict__:
+            type.__delattr__(cls, "__slotnames__")
