@@ -53,13 +53,15 @@ TARGETS = {
        for suffix in ("", "_contiguous")},
     # serving at the replay's default scale on the dense shape (one full-attention
     # group; the row beside the two hybrid shapes', 10 rounds: issue 36, "<= 0.7x on
-    # every shape"). On 2026-12-06 (vLLM 0.34.0, 2-core Zen 4, nothing else running),
-    # five runs: kvpool 1.40-1.55x, contiguous 1.39-1.75x (0.64-0.72x): the 0.7x line
-    # lies inside the run-to-run spread, and what is left above the step's floor (0.58x)
-    # is vLLM's scheduler and the native call's instance checks (issue 35's note). Gated
-    # at 0.75x; the 0.7x target stays open for the dense shape.
-    "replay_serving_dense": 1 / 0.75,
-    "replay_serving_dense_contiguous": 1 / 0.75,
+    # every shape"). The step's floor is 0.58-0.60x (a KV cache manager that cost
+    # nothing: 40 % of vanilla's step samples are under it in a py-spy profile,
+    # benchmarks/profile_step.py, 4 % of kvpool's), so 0.7x leaves the row little room:
+    # about 6 % at its slowest. Gated at 0.75x until five clean-clone CI runs in a row
+    # (2026-12-06, vLLM 0.34.0, 2-core Zen 4) measured kvpool 1.53-1.62x and contiguous
+    # 1.52-1.60x, none below 1.52x (0.66x); a row fails only when below its target in
+    # both measurements of a run (check_ratios.py).
+    "replay_serving_dense": 1 / 0.7,
+    "replay_serving_dense_contiguous": 1 / 0.7,
     # serving on gpt-oss's KV cache groups (full attention + sliding window, vLLM's
     # HybridKVCacheCoordinator; issue 36: kvpool and kvpool+contiguous <= 0.7x of
     # vanilla's scheduler CPU). Where a hybrid model's running step is native (vLLM
