@@ -18,11 +18,12 @@ echo "== kvpool tests"
 export KVPOOL_DIFF_OPS=100000 KVPOOL_POLICY_DIFF_OPS=100000 KVPOOL_SCHED_DIFF_STEPS=100000
 # On one worker per core, at most 4 (each holds vLLM, torch and its own replays in memory;
 # PYTEST_XDIST_AUTO_NUM_WORKERS sets the count), a test module per worker (--dist loadfile):
-# a module's fixtures, the replays several of its tests read, are built once. 17 minutes
-# instead of 23 on the 2-core machine.
+# a module's fixtures, the replays several of its tests read, are built once. The modules
+# go out in collection order, the longest first (tests/support/ordering.py), not by their
+# number of tests (xdist's default), which sent the 4-minute scheduler differential last.
 workers="${PYTEST_XDIST_AUTO_NUM_WORKERS:-$(nproc)}"
 [ "$workers" -le 4 ] || workers=4
-"$py" -m pytest tests -q -p no:cacheprovider -n "$workers" --dist loadfile
+"$py" -m pytest tests -q -p no:cacheprovider -n "$workers" --dist loadfile --no-loadscope-reorder
 
 echo "== benchmarks (vLLM 0.34.0 vs kvpool, same run)"
 "$py" -m pytest benchmarks -q -p no:cacheprovider --benchmark-only \

@@ -27,6 +27,17 @@ def pytest_configure(config):
     os.environ.update(offline_env(_HF_HOME))
 
 
+def pytest_collection_modifyitems(config, items):
+    # Only on an xdist worker: a plain run keeps pytest's order.
+    if not hasattr(config, "workerinput"):
+        return
+    from tests.support.ordering import LONGEST_FIRST
+
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    root = config.rootpath
+    items.sort(key=lambda item: rank.get(item.path.relative_to(root).as_posix(), len(rank)))
+
+
 @pytest.fixture
 def installed():
     """kvpool installed for the test, uninstalled afterwards."""

@@ -184,3 +184,10 @@ def test_pxi_functions_stay_small():
                 too_long.append(f"src/kvpool/{path.name}:{line} {name}(): {length} lines")
     assert measured > 100, "no .pxi functions found"
     assert not too_long, "over the limit:\n" + "\n".join(too_long)
+
+
+def test_the_modules_run_first_exist():
+    from tests.support.ordering import LONGEST_FIRST
+
+    missing = [path for path in LONGEST_FIRST if not (REPO / path).is_file()]
+    assert not missing, f"tests/support/ordering.py names modules that are gone: {missing}"
