@@ -13,13 +13,6 @@ py=.venv/bin/python
 echo "== lint: ruff (the rules of pyproject.toml, vLLM's selection)"
 "$py" -m ruff check .
 
-# The oldest release's environment, for its conformance stage below, built while the suite
-# runs (mostly downloads and unpacking: about 3.5 minutes on its own; its own build folder).
-# The conformance stage refreshes it in seconds, or builds it if this failed.
-KVPOOL_VLLM_VERSION=0.30.0 KVPOOL_VENV=.venv-vllm-0.30.0 bash scripts/bootstrap.sh \
-  > .ci-out/bootstrap-vllm-0.30.0.log 2>&1 &
-boot_pid=$!
-
 echo "== kvpool tests"
 # The long differentials at 10^5 operations (10^6: docs/native-checks.md, docs/design.md).
 export KVPOOL_DIFF_OPS=100000 KVPOOL_POLICY_DIFF_OPS=100000 KVPOOL_SCHED_DIFF_STEPS=100000
@@ -31,12 +24,6 @@ export KVPOOL_DIFF_OPS=100000 KVPOOL_POLICY_DIFF_OPS=100000 KVPOOL_SCHED_DIFF_ST
 workers="${PYTEST_XDIST_AUTO_NUM_WORKERS:-$(nproc)}"
 [ "$workers" -le 4 ] || workers=4
 "$py" -m pytest tests -q -p no:cacheprovider -n "$workers" --dist loadfile --no-loadscope-reorder
-
-# (ended before the benchmarks, which are timed)
-boot_rc=0
-wait "$boot_pid" || boot_rc=$?
-echo "== vLLM 0.30.0's environment, built beside the suite (exit $boot_rc)"
-tail -n 3 .ci-out/bootstrap-vllm-0.30.0.log
 
 echo "== benchmarks (vLLM 0.34.0 vs kvpool, same run)"
 "$py" -m pytest benchmarks -q -p no:cacheprovider --benchmark-only \
