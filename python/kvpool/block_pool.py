@@ -144,7 +144,8 @@ class BlockPool(VllmBlockPool):
         self.allocation = self._policy.name
         self._policy.attach(self)
         # The block table the current allocation extends: (manager, request_id), set
-        # by kvpool's native manager path under a policy with manager hooks, else None
+        # by kvpool's native manager path under a policy with manager hooks (or what it
+        # knows of the table around vLLM's own allocate_slots: get_new_blocks), else None
         # (vLLM's managers' tables are found by kvpool.allocation.base.table_of_caller).
         self._table_context = None
         self.cached_block_hash_to_block = new_map(self.blocks)
@@ -176,10 +177,15 @@ class BlockPool(VllmBlockPool):
             return VllmBlockPool.get_new_blocks(self, num_blocks)
         # (manager, request_id), set by kvpool's native manager path around its own
         # allocation, or (manager, request_id, expected tokens) around vLLM's
-        # allocate_slots on a one-group model: what table_of_caller would find
+        # allocate_slots on a one-group model: what table_of_caller would find; around
+        # vLLM's allocate_slots on a hybrid model (None, request_id, expected tokens):
+        # the group's manager is the allocating frame's
         context = self._table_context
-        if context is None and self._policy.manager_hooks:
-            context = table_of_caller(sys._getframe(1))
+        if context is None:
+            if self._policy.manager_hooks:
+                context = table_of_caller(sys._getframe(1))
+        elif context[0] is None:
+            context = table_of_caller(sys._getframe(1), context)
         if context is not None:
             if len(context) == 3:
                 manager, request_id, expected = context

@@ -777,9 +777,13 @@ cdef tuple _vllm_call_table(_AllocateSlotsFastPath fp, manager, request):
     (the one ``FullAttentionManager``'s ``allocate_new_blocks`` /
     ``allocate_external_computed_blocks`` for ``request.request_id``; ``expected_tokens``
     ``num_prompt_tokens + max_tokens`` when both are ints, else None), for the pool to
-    read as ``_table_context`` instead of walking the frames on each allocation; None
-    where the call's classes or instances are not vLLM's (:func:`_eligible`), the model
-    has several groups, the request is not of vLLM's ``Request`` class (the native
+    read as ``_table_context`` instead of walking the frames on each allocation. On a
+    hybrid model (the hybrid step's coordinator and classes, :func:`_eligible`'s
+    ``_HYBRID``): ``(pool, (None, request_id, expected_tokens))``, the pool then finding
+    only the allocating group's manager in the frames, not the ``allocate_slots`` frame
+    above it (``table_of_caller(frame, told)``). None
+    where the call's classes or instances are not vLLM's (:func:`_eligible`), the
+    request is not of vLLM's ``Request`` class (the native
     path's: its attributes read as plainly as the native step reads them) or the pool
     is not kvpool's exact ``BlockPool`` (the pool then walks the frames; and where
     checking the classes would run a patched attribute's code)."""
@@ -790,9 +794,16 @@ cdef tuple _vllm_call_table(_AllocateSlotsFastPath fp, manager, request):
         return None
     try:
         mgr = _eligible(fp, fp.allocate_entry, manager, None)
-        if mgr is None or mgr is _HYBRID or mgr is _CACHING_OFF:
+        if mgr is _HYBRID:
+            # (the hybrid step's classes vLLM's: the pool is the attribute its step reads)
+            if not _hybrid.classes_unchanged():
+                return None
+            pool = manager.block_pool
+            mgr = None   # (which group allocates: the allocating frame's manager)
+        elif mgr is None or mgr is _CACHING_OFF:
             return None
-        pool = mgr.block_pool
+        else:
+            pool = mgr.block_pool
     except AttributeError:   # (an attribute deleted: vLLM's call reads it, or not)
         return None
     # (read as table_of_caller reads them: never raising before vLLM's call)

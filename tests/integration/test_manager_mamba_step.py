@@ -135,13 +135,14 @@ def _chunk(rng: random.Random, prefill_left: int) -> int:
 
 def _run(num_ops: int, num_blocks: int, seed: int, *, events: bool = False, retention: int | None = 0,
          shared_checkpoint: bool = False, sliding: bool = False, caching: bool = True,
-         mamba_block: int = BLOCK_SIZE, speculative: int = 0, full: bool = True) -> dict:
+         mamba_block: int = BLOCK_SIZE, speculative: int = 0, full: bool = True,
+         allocation: str = "vllm") -> dict:
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.request import RequestStatus
 
     rng = random.Random(seed)
-    kvpool.install()
+    kvpool.install(allocation=allocation)
     assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
     made = [_manager(num_blocks, events, retention, shared_checkpoint, sliding=sliding, caching=caching,
                      mamba_block=mamba_block, speculative=speculative, full=full) for _ in range(2)]
@@ -230,6 +231,48 @@ def _run(num_ops: int, num_blocks: int, seed: int, *, events: bool = False, rete
     counts["native_cache_calls"] = after["native_cache_calls"] - before["native_cache_calls"]
     counts["vllm_cache_calls"] = after["vllm_cache_calls"] - before["vllm_cache_calls"]
     return counts
+
+
+@needs_known_mamba
+@pytest.mark.parametrize("sliding", [False, True], ids=["mamba", "mamba-sliding"])
+def test_the_contiguous_policy_gets_each_group_s_table_in_vllm_s_calls_on_a_hybrid_model(monkeypatch, sliding):
+    """Under ``allocation="contiguous"`` a hybrid model's call that kvpool hands to vLLM's
+    ``allocate_slots`` (a new request's, a prefix hit's) tells the pool the request and
+    its expected length; the pool finds only the allocating group's manager in the
+    frames (``table_of_caller(frame, told)``), not the ``allocate_slots`` frame above
+    it. Every table, the free queue and the Mamba bookkeeping then equal those of vLLM's
+    own ``allocate_slots`` on a pool that walks the frames for all of it, call by call."""
+    from kvpool import block_pool
+    from kvpool.allocation.contiguous import ContiguousPolicy
+
+    walks, extended = [], []
+    walk, extend = block_pool.table_of_caller, ContiguousPolicy.extend_table
+
+    def counting_walk(frame, told=None):
+        found = walk(frame, told)
+        walks.append((told, found))
+        return found
+
+    def counting_extend(self, pool, num_blocks, manager, request_id):
+        extended.append((type(manager).__name__, request_id, self.expected_tokens.get(request_id)))
+        return extend(self, pool, num_blocks, manager, request_id)
+
+    monkeypatch.setattr(block_pool, "table_of_caller", counting_walk)
+    monkeypatch.setattr(ContiguousPolicy, "extend_table", counting_extend)
+    try:
+        counts = _run(min(NUM_OPS, 3_000), 200, SEED + 7, sliding=sliding, allocation="contiguous")
+    finally:
+        kvpool.uninstall()
+    told = [(t, f) for t, f in walks if t is not None]
+    walked = [f for t, f in walks if t is None]
+    # both sides allocated for new requests; the native side was told, vLLM's walked
+    assert counts["add"] > 20 and len(told) > 20 and len(walked) > 20, (counts, len(told), len(walked))
+    assert all(f is not None and f[1] == t[1] and f[2] == t[2] for t, f in told)
+    kinds = {k for k, _, _ in extended}
+    assert {"FullAttentionManager", "MambaManager"} <= kinds
+    assert ("SlidingWindowManager" in kinds) is sliding
+    # every allocation knew the request's prompt + max_tokens (make_request: 10,000)
+    assert all(n is not None and n > 10_000 for _, _, n in extended)
 
 
 @needs_known_mamba

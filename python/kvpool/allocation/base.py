@@ -18,6 +18,8 @@ memory is skipped, not raised.
 
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import Any, ClassVar
 
 _ALLOCATING = ("allocate_new_blocks", "allocate_external_computed_blocks")
@@ -27,11 +29,26 @@ _ALLOCATING = ("allocate_new_blocks", "allocate_external_computed_blocks")
 MAX_DEPTH = 8
 
 
-def table_of_caller(frame: Any) -> tuple[Any, str, int | None] | None:
+def _vllm_class(module: str, name: str) -> type:
+    # vLLM's class as ``from module import name`` gives it, read from sys.modules (an
+    # import statement per call cost a hybrid model's table look-up a third of its time)
+    loaded = sys.modules.get(module)
+    if loaded is None:
+        loaded = importlib.import_module(module)
+    return getattr(loaded, name)
+
+
+def table_of_caller(frame: Any, told: tuple[None, str, int | None] | None = None
+                    ) -> tuple[Any, str, int | None] | None:
     """The block table a pool allocation extends, from the frames calling it.
 
     Args:
         frame: the frame that called ``BlockPool.get_new_blocks`` (``sys._getframe(1)``).
+        told: ``(None, request_id, expected_tokens)``, what kvpool's native manager path
+            knows around vLLM's own ``KVCacheManager.allocate_slots`` on a hybrid model
+            (the request, not which group's manager allocates): the walk then stops at
+            the allocating frame and returns its manager and request id with
+            ``expected_tokens`` (what the ``allocate_slots`` frame above it holds).
 
     Returns:
         ``(manager, request_id, expected_tokens)`` for the innermost frame within
@@ -43,9 +60,7 @@ def table_of_caller(frame: Any) -> tuple[Any, str, int | None] | None:
         frame is found (the allocation then extends no known table, a preference only).
         Reads the frames' locals (``frame.f_locals``); changes nothing.
     """
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
-
+    single_type = _vllm_class("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager")
     table = None
     for _ in range(MAX_DEPTH):
         if frame is None:
@@ -54,11 +69,13 @@ def table_of_caller(frame: Any) -> tuple[Any, str, int | None] | None:
         if table is None and name in _ALLOCATING:
             local = frame.f_locals
             manager, request_id = local.get("self"), local.get("request_id")
-            if isinstance(manager, SingleTypeKVCacheManager) and type(request_id) is str:
+            if isinstance(manager, single_type) and type(request_id) is str:
+                if told is not None:
+                    return (manager, request_id, told[2])
                 table = (manager, request_id)
         elif table is not None and name == "allocate_slots":
             local = frame.f_locals
-            if isinstance(local.get("self"), KVCacheManager):
+            if isinstance(local.get("self"), _vllm_class("vllm.v1.core.kv_cache_manager", "KVCacheManager")):
                 request = local.get("request")
                 prompt = getattr(request, "num_prompt_tokens", None)
                 max_tokens = getattr(request, "max_tokens", None)
