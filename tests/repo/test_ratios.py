@@ -72,3 +72,28 @@ def test_two_builds_are_compared_pair_by_pair(tmp_path, capsys):
     assert compare_builds.paired_relative([1.0, 2.0], [1.0]) == 1.0
     with pytest.raises(ValueError, match="no pair"):
         compare_builds.paired_relative([], [1.0])
+
+
+def test_the_second_measurement_reruns_only_the_groups_of_the_rows_below_target(tmp_path):
+    """``--rerun-ids``: the node ids of every benchmark of a row's group (vLLM's side, each
+    kvpool mode, each round, in the order they ran) when the row is below target; nothing
+    of a group whose rows all met theirs; an empty file when every row did."""
+    goal = TARGETS["replay_serving_dense_contiguous"]
+    benchmarks = []
+    for group, contiguous_ratio in (("replay_serving_dense", goal / 2), ("replay_grpo", 3.0)):
+        for r in range(2):
+            for impl, median in (("vllm", 1.0), ("kvpool", 0.1), ("kvpool_contiguous", 1.0 / contiguous_ratio)):
+                node = f"b.py::t[{group}-{r}-{impl}]"
+                benchmarks.append({"group": group, "name": node, "fullname": node,
+                                   "stats": {"median": median}, "extra_info": {"impl": impl, "round": r}})
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"benchmarks": benchmarks}))
+    ids = tmp_path / "rerun.ids"
+    assert check_ratios.main([str(run), "--rerun-ids", str(ids)]) == 1
+    assert ids.read_text().splitlines() == [f"b.py::t[replay_serving_dense-{r}-{impl}]" for r in range(2)
+                                            for impl in ("vllm", "kvpool", "kvpool_contiguous")]
+    for b in benchmarks:
+        b["stats"]["median"] = 0.1 if b["extra_info"]["impl"] != "vllm" else 1.0
+    run.write_text(json.dumps({"benchmarks": benchmarks}))
+    assert check_ratios.main([str(run), "--rerun-ids", str(ids)]) == 0
+    assert ids.read_text() == ""
