@@ -30,12 +30,15 @@ echo "== benchmarks (vLLM 0.34.0 vs kvpool, same run)"
   --benchmark-json=.ci-out/benchmarks.json --benchmark-columns=median,iqr,rounds
 
 ratios=0
+rm -f .ci-out/benchmarks-rerun.ids
 "$py" benchmarks/check_ratios.py .ci-out/benchmarks.json --rerun-ids .ci-out/benchmarks-rerun.ids || ratios=$?
 if [ "$ratios" -ne 0 ]; then
   # A ratio below target is measured once more, only its rows' benchmarks (every round and
   # mode of their groups, in their order); it fails only when below in both runs
   # (benchmarks/check_ratios.py says why).
-  mapfile -t rerun < .ci-out/benchmarks-rerun.ids
+  # (no list, as when check_ratios.py itself failed: the whole suite again)
+  rerun=()
+  [ ! -f .ci-out/benchmarks-rerun.ids ] || mapfile -t rerun < .ci-out/benchmarks-rerun.ids
   [ "${#rerun[@]}" -gt 0 ] || rerun=(benchmarks)
   echo "== benchmarks again, the rows below their targets (${#rerun[@]} benchmarks)"
   "$py" -m pytest "${rerun[@]}" -q -p no:cacheprovider --benchmark-only \
