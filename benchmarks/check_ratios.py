@@ -40,7 +40,9 @@ def rerun_ids(path: str) -> list[str]:
         impl = b["extra_info"]["impl"]
         return b["group"] if impl == "kvpool" else f"{b['group']}_{impl[len('kvpool_'):]}"
 
-    groups = {b["group"] for b in benchmarks if b["extra_info"]["impl"].startswith("kvpool") and row(b) in below}
+    kvpool = [b for b in benchmarks
+              if b["extra_info"]["impl"] == "kvpool" or b["extra_info"]["impl"].startswith("kvpool_")]
+    groups = {b["group"] for b in kvpool if row(b) in below}
     return list(dict.fromkeys(b["fullname"] for b in benchmarks if b["group"] in groups))
 
 
