@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.ratios import ratio_rows  # noqa: E402
+from benchmarks.ratios import ratio_rows, row_name  # noqa: E402
 
 
 def rows_of(path: str) -> list[dict]:
@@ -36,13 +36,7 @@ def rerun_ids(path: str) -> list[str]:
     below = {r["group"] for r in rows_of(path) if r["target"] is not None and r["ratio"] < r["target"]}
     benchmarks = json.loads(Path(path).read_text())["benchmarks"]
 
-    def row(b: dict) -> str:
-        impl = b["extra_info"]["impl"]
-        return b["group"] if impl == "kvpool" else f"{b['group']}_{impl[len('kvpool_'):]}"
-
-    kvpool = [b for b in benchmarks
-              if b["extra_info"]["impl"] == "kvpool" or b["extra_info"]["impl"].startswith("kvpool_")]
-    groups = {b["group"] for b in kvpool if row(b) in below}
+    groups = {b["group"] for b in benchmarks if row_name(b["group"], b["extra_info"]["impl"]) in below}
     return list(dict.fromkeys(b["fullname"] for b in benchmarks if b["group"] in groups))
 
 

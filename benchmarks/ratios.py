@@ -154,6 +154,16 @@ def _ratio(vllm: dict, kvpool: dict) -> float:
     return vllm["median"] / kvpool["median"]
 
 
+def row_name(group: str, impl: str) -> str | None:
+    """The ratio row of a benchmark of ``group`` run by ``impl``: the group for "kvpool",
+    "<group>_<mode>" for a further kvpool mode ("kvpool_<mode>"), None for vLLM's side."""
+    if impl == "kvpool":
+        return group
+    if impl.startswith("kvpool_"):
+        return f"{group}_{impl[len('kvpool_'):]}"
+    return None
+
+
 def ratio_rows(benchmarks: list[dict]) -> list[dict]:
     """``benchmarks``: dicts with group, name, median (s), extra_info['impl'/'blocks']."""
     # Several benchmarks of one group and implementation (the scheduler step's
@@ -177,8 +187,8 @@ def ratio_rows(benchmarks: list[dict]) -> list[dict]:
             continue
         # "kvpool", and further kvpool modes of the same group ("kvpool_contiguous":
         # row "<group>_contiguous").
-        for impl in sorted(i for i in impls if i == "kvpool" or i.startswith("kvpool_")):
-            name = group if impl == "kvpool" else f"{group}_{impl[len('kvpool_'):]}"
+        for impl in sorted(i for i in impls if row_name(group, i) is not None):
+            name = row_name(group, impl)
             v, k = impls["vllm"]["median"], impls[impl]["median"]
             blocks = impls[impl]["extra_info"].get("blocks") or 1
             rows.append(
