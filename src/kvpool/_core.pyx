@@ -111,6 +111,7 @@ include "hybrid_alloc.pxi"        # ... and its steps that free or allocate (ful
 include "mamba_step.pxi"          # ... a Mamba group's part of that idle step
 include "hybrid_cache.pxi"        # ... and the hybrid coordinator's cache_blocks that caches nothing
 include "lookup.pxi"              # KVCacheManager.get_computed_blocks, one full-attention group
+include "hybrid_lookup.pxi"       # ... and under HybridKVCacheCoordinator
 include "alloc.pxi"               # pool_get_new_blocks (vLLM's order and the contiguous policy)
 include "free.pxi"                # pool_free_blocks and the shared free loop
 include "touch.pxi"               # pool_touch

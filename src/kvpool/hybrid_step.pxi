@@ -22,6 +22,7 @@ cdef class _HybridStep:
     cdef public object full_spec_cls, sliding_spec_cls   # FullAttentionSpec, SlidingWindowSpec
     cdef public object mamba_cls, mamba_spec_cls   # MambaManager, MambaSpec (None: not armed)
     cdef public object no_prefix_cls         # KVCacheCoordinatorNoPrefixCache (None: not armed)
+    cdef public object spec_group_cls        # SpecGroup (hybrid_lookup.pxi; None: lookups stay vLLM's)
     cdef public tuple class_checks           # ((cls, name, function), ...)
     cdef public tuple class_data             # class_data_snapshot of the classes checked
     cdef public tuple coordinator_names      # not to be set on the coordinator instance
@@ -35,19 +36,20 @@ cdef class _HybridStep:
     cdef public Py_ssize_t native_cache_calls, vllm_cache_calls
     cdef public Py_ssize_t native_changes   # steps that freed or allocated natively
     cdef public Py_ssize_t group_cache_calls   # cache_blocks run group by group
+    cdef public Py_ssize_t native_lookups   # get_computed_blocks answered by hybrid_lookup.pxi
     cdef public object pool_free_blocks, pool_get_new_blocks, pool_needs_vllm_loop   # kvpool's BlockPool's
 
     def __init__(self):
         self.enabled = False
         self.class_checks = self.coordinator_names = self.single_type_names = self.mamba_names = ()
         self.class_data = ()
-        self.mamba_cls = self.mamba_spec_cls = self.no_prefix_cls = None
+        self.mamba_cls = self.mamba_spec_cls = self.no_prefix_cls = self.spec_group_cls = None
         self.n_classes = 5
         self.step_globals = ()
         self.tags[0] = 0
         self.native_steps = self.vllm_steps = 0
         self.native_cache_calls = self.vllm_cache_calls = 0
-        self.native_changes = self.group_cache_calls = 0
+        self.native_changes = self.group_cache_calls = self.native_lookups = 0
         self.pool_free_blocks = self.pool_get_new_blocks = self.pool_needs_vllm_loop = None
 
     cdef bint classes_unchanged(self):
@@ -112,7 +114,8 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
                                   full_spec_cls, sliding_spec_cls,
                                   class_checks, coordinator_names, single_type_names,
                                   step_globals=(), mamba_cls=None, mamba_spec_cls=None,
-                                  mamba_names=(), pool_methods=None, no_prefix_cls=None):
+                                  mamba_names=(), pool_methods=None, no_prefix_cls=None,
+                                  spec_group_cls=None):
     """Arm the hybrid running step of :func:`kv_cache_manager_allocate_slots` (called by
     ``kvpool.patches.hybrid_fast_path`` after the native allocate_slots is configured;
     ``disable_allocate_slots_fast_path`` disarms both).
@@ -133,7 +136,10 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
     stay vLLM's. ``no_prefix_cls``: vLLM's ``KVCacheCoordinatorNoPrefixCache`` (the
     coordinator of every model with prefix caching off), whose methods ``class_checks``
     then cover too: a hybrid model's running step under it is this step's (with caching
-    off in every group); None: such steps stay vLLM's."""
+    off in every group); None: such steps stay vLLM's. ``spec_group_cls``: vLLM's
+    ``SpecGroup`` (the entries of the coordinator's ``attention_groups``), which arms the
+    native prefix-cache lookup of ``hybrid_lookup.pxi`` (``class_checks`` then cover
+    ``HybridKVCacheCoordinator.find_longest_cache_hit``); None: lookups stay vLLM's."""
     if (mamba_cls is None) != (mamba_spec_cls is None):
         raise ValueError("mamba_cls and mamba_spec_cls go together")
     _hybrid.enabled = False
@@ -152,13 +158,14 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
     _hybrid.mamba_spec_cls = mamba_spec_cls
     _hybrid.mamba_names = tuple(mamba_names)
     _hybrid.no_prefix_cls = no_prefix_cls
+    _hybrid.spec_group_cls = spec_group_cls
     _hybrid.n_classes = (5 if mamba_cls is None else 7) + (no_prefix_cls is not None)
     _hybrid.step_globals = tuple(step_globals)
     _fill_checks(_hybrid.step_checks, _hybrid.step_globals)
     _hybrid.tags[0] = 0
     _hybrid.native_steps = _hybrid.vllm_steps = 0
     _hybrid.native_cache_calls = _hybrid.vllm_cache_calls = 0
-    _hybrid.native_changes = _hybrid.group_cache_calls = 0
+    _hybrid.native_changes = _hybrid.group_cache_calls = _hybrid.native_lookups = 0
     _hybrid.pool_free_blocks, _hybrid.pool_get_new_blocks, _hybrid.pool_needs_vllm_loop = (
         (None, None, None) if pool_methods is None else tuple(pool_methods))
     _hybrid.enabled = True
@@ -166,18 +173,19 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
 
 def hybrid_running_step_state():
     """``{"enabled", "mamba", "native_steps", "vllm_steps", "native_changes",
-    "group_cache_calls", "native_cache_calls", "vllm_cache_calls"}``: whether the hybrid
-    step is armed (and for Mamba groups), the idle running steps it answered, those of a
-    hybrid coordinator it handed to vLLM's code, the steps that freed or allocated
-    natively, the coordinator's ``cache_blocks`` calls run group by group (a
-    full-attention group natively), found caching nothing, and handed on (tests,
-    ``kvpool info``)."""
+    "group_cache_calls", "native_cache_calls", "vllm_cache_calls", "native_lookups"}``:
+    whether the hybrid step is armed (and for Mamba groups), the idle running steps it
+    answered, those of a hybrid coordinator it handed to vLLM's code, the steps that
+    freed or allocated natively, the coordinator's ``cache_blocks`` calls run group by
+    group (a full-attention group natively), found caching nothing, and handed on, and
+    the prefix-cache lookups answered by ``hybrid_lookup.pxi`` (tests, ``kvpool info``)."""
     return {"enabled": _hybrid.enabled, "mamba": _hybrid.enabled and _hybrid.mamba_cls is not None,
             "native_steps": _hybrid.native_steps, "vllm_steps": _hybrid.vllm_steps,
             "native_changes": _hybrid.native_changes,
             "group_cache_calls": _hybrid.group_cache_calls,
             "native_cache_calls": _hybrid.native_cache_calls,
-            "vllm_cache_calls": _hybrid.vllm_cache_calls}
+            "vllm_cache_calls": _hybrid.vllm_cache_calls,
+            "native_lookups": _hybrid.native_lookups}
 
 
 cdef object _hybrid_running_step(_AllocateSlotsFastPath fp, manager, request, _Step* s,

@@ -179,6 +179,9 @@ cdef class _AllocateSlotsFastPath:
     cdef public tuple lookup_specs        # the spec types FullAttentionManager asserts
     cdef public str eagle_attr            # the coordinator's EAGLE group ids attribute
     cdef public Py_ssize_t native_lookups, vllm_lookups
+    # ... and get_num_cached_tokens (vLLM >= 0.34.0's probe of the waiting queue)
+    cdef public object vanilla_num_cached   # vLLM's KVCacheManager.get_num_cached_tokens, or None
+    cdef public Py_ssize_t native_probes, vllm_probes
     cdef unsigned int tags[5]
     cdef public object request_cls        # vLLM's Request (its num_tokens property), or None
     cdef unsigned int pool_tag, map_tag
@@ -199,6 +202,8 @@ cdef class _AllocateSlotsFastPath:
         self.lookup_takes_max = True
         self.native_lookups = 0
         self.vllm_lookups = 0
+        self.vanilla_num_cached = None
+        self.native_probes = self.vllm_probes = 0
         self.lookup_specs = ()
         self.eagle_attr = "drop_eagle_group_ids"
         self.allocate_entry = self.cache_entry = self.lookup_entry = _Entry()
@@ -451,7 +456,8 @@ def allocate_slots_fast_path_state():
     a one-group coordinator's ``cache_blocks`` done natively / by vLLM's code;
     ``native_evictions``: cached blocks that ``pool_get_new_blocks`` evicted itself;
     ``native_lookup``, ``native_lookups``, ``vllm_lookups``: ``get_computed_blocks``
-    bound, and its calls done natively / by vLLM's code)."""
+    bound, and its calls done natively / by vLLM's code; ``native_probes``,
+    ``vllm_probes``: the same for ``get_num_cached_tokens``)."""
     return {"enabled": _fast_path.enabled, "manager_hooks": _fast_path.manager_hooks,
             "fast_calls": _fast_path.fast_calls, "vllm_calls": _fast_path.vllm_calls,
             "native_cache": _fast_path.native_cache,
@@ -460,7 +466,9 @@ def allocate_slots_fast_path_state():
             "native_evictions": _fast_path.native_evictions,
             "native_lookup": _fast_path.native_lookup,
             "native_lookups": _fast_path.native_lookups,
-            "vllm_lookups": _fast_path.vllm_lookups}
+            "vllm_lookups": _fast_path.vllm_lookups,
+            "native_probes": _fast_path.native_probes,
+            "vllm_probes": _fast_path.vllm_probes}
 
 
 def configure_allocate_slots_fast_path(*, manager_cls, coordinator_cls, full_attention_cls,

@@ -72,6 +72,21 @@ def _vanilla_allocate_slots():
     return _vanilla(KVCacheManager, "allocate_slots")
 
 
+def _vanilla_get_computed_blocks():
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from kvpool.patches.manager_fast_path import _vanilla
+
+    return _vanilla(KVCacheManager, "get_computed_blocks")
+
+
+def _lookup_summary(manager, result):
+    """``get_computed_blocks``' triple with the blocks as ids per group, and whether
+    they are the manager's shared empty ``KVCacheBlocks``."""
+    blocks, hit, boundary = result
+    return (_summary(manager, blocks), hit, boundary)
+
+
 def _summary(manager, result):
     if result is None:
         return None
@@ -132,6 +147,11 @@ def _run_differential(num_ops: int, num_blocks: int, seed: int, watermark: float
     vanilla_lookup = _vanilla(KVCacheManager, "get_computed_blocks")
     vanilla.manager.get_computed_blocks = vanilla_lookup.__get__(vanilla.manager)
     takes_max = "max_cache_hit_length" in inspect.signature(vanilla_lookup).parameters
+    # ... and its probe of a waiting request (vLLM >= 0.34.0's cache-aware admission)
+    probes = hasattr(KVCacheManager, "get_num_cached_tokens")
+    if probes:
+        vanilla.manager.get_num_cached_tokens = \
+            _vanilla(KVCacheManager, "get_num_cached_tokens").__get__(vanilla.manager)
     native = _Side(_manager(num_blocks, **options), KVCacheManager.allocate_slots)
     sides = (vanilla, native)
     if removed_log:   # the replay probe's recorder of the removed hashes (events off)
@@ -153,8 +173,9 @@ def _run_differential(num_ops: int, num_blocks: int, seed: int, watermark: float
             results = []
             for side in sides:
                 req = make_request(rid, prompt, max_tokens=10_000, block_size=BLOCK_SIZE)
+                probed = side.manager.get_num_cached_tokens(req) if probes else None
                 blocks, hit, boundary = side.manager.get_computed_blocks(req, *lookup_args)
-                looked_up = (hit, boundary, _summary(side.manager, blocks))
+                looked_up = (probed, hit, boundary, _summary(side.manager, blocks))
                 n = min(chunk, len(prompt) - hit)
                 out = side.allocate_slots(side.manager, req, n, num_new_computed_tokens=hit,
                                           new_computed_blocks=blocks)
@@ -207,6 +228,7 @@ def _run_differential(num_ops: int, num_blocks: int, seed: int, watermark: float
             counts["none"] += results[0] is None
         assert vanilla.state() == native.state(), (op, counts)
     counts.update(_core.allocate_slots_fast_path_state())
+    counts["probes"] = probes
     return counts
 
 
@@ -246,6 +268,9 @@ def test_native_allocate_slots_matches_vllm(num_blocks, watermark, events):
         assert counts["native_cache_calls"] > 10 * counts["vllm_cache_calls"]
         assert counts["native_evictions"] > 100
         assert counts["native_lookups"] == counts["add"] and counts["vllm_lookups"] == 0
+    # the probe (vLLM >= 0.34.0) emits no events: native in every case
+    if counts["probes"]:
+        assert counts["native_probes"] == counts["add"] and counts["vllm_probes"] == 0
 
 
 # -- when the native path runs, and when vLLM's does ------------------------------------

@@ -27,7 +27,13 @@ import pytest
 import kvpool
 from kvpool import _core
 from kvpool.patches import hybrid_fast_path
-from tests.integration.test_manager_fast_path import _summary, _vanilla_allocate_slots
+from kvpool.patches.manager_fast_path import _vanilla
+from tests.integration.test_manager_fast_path import (
+    _lookup_summary,
+    _summary,
+    _vanilla_allocate_slots,
+    _vanilla_get_computed_blocks,
+)
 from tests.support.map_view import map_entries
 from tests.support.scheduler import copied_once, kv_cache_groups, make_request
 
@@ -132,20 +138,29 @@ def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool
     vanilla.cache_blocks = types.MethodType(KVCacheCoordinator.cache_blocks, vanilla)
     for manager, _, _ in sides if setup is not None else ():
         setup(manager)
+    lookups = (_vanilla_get_computed_blocks(), KVCacheManager.get_computed_blocks)
+    probes = (_vanilla(KVCacheManager, "get_num_cached_tokens"), KVCacheManager.get_num_cached_tokens)
+    assert probes[1] is _core.kv_cache_manager_get_num_cached_tokens
+    probes_before = _core.allocate_slots_fast_path_state()["native_probes"]
     before = _core.hybrid_running_step_state()
     live: list[str] = []
     next_id = 0
-    counts = {"add": 0, "step": 0, "none": 0, "free": 0}
+    counts = {"add": 0, "step": 0, "none": 0, "free": 0, "hits": 0}
     for op in range(num_ops):
         roll = rng.random()
         if len(live) < 3 or (roll < 0.05 and len(live) < 10):
             rid, next_id = f"r{next_id}", next_id + 1
             prompt = list(rng.choice(PREFIXES)) + [rng.randrange(1, 30_000) for _ in range(rng.randrange(1, 150))]
             chunk = rng.choice((16, 64, 512))
-            results = []
+            results, lookup_results = [], []
             for manager, allocate_slots, requests in sides:
                 req = make_request(rid, prompt, max_tokens=10_000, block_size=BLOCK_SIZE)
-                blocks, hit = manager.get_computed_blocks(req)[:2]
+                # (vLLM's side: vLLM's get_computed_blocks; kvpool's: hybrid_lookup.pxi)
+                native_side = manager is sides[1][0]
+                probed = probes[native_side](manager, req)   # (the scheduler's cache-aware probe)
+                found = lookups[native_side](manager, req)
+                lookup_results.append((probed, _lookup_summary(manager, found)))
+                blocks, hit = found[:2]
                 n = min(chunk, len(prompt) - hit)
                 out = allocate_slots(manager, req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks)
                 results.append((hit, _summary(manager, out)))
@@ -153,7 +168,9 @@ def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool
                     req.status = RequestStatus.RUNNING
                     req.num_computed_tokens = hit + n
                     requests[rid] = req
+            assert lookup_results[0] == lookup_results[1], (op, "lookup", lookup_results)
             assert results[0] == results[1], (op, "add", results)
+            counts["hits"] += lookup_results[0][1][1] > 0
             if results[0][1] is not None:
                 live.append(rid)
             counts["add"] += 1
@@ -204,6 +221,8 @@ def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool
     after = _core.hybrid_running_step_state()
     counts["native_steps"] = after["native_steps"] - before["native_steps"]
     counts["vllm_steps"] = after["vllm_steps"] - before["vllm_steps"]
+    counts["native_lookups"] = after["native_lookups"] - before["native_lookups"]
+    counts["native_probes"] = _core.allocate_slots_fast_path_state()["native_probes"] - probes_before
     counts["native_changes"] = after["native_changes"] - before["native_changes"]
     counts["group_cache_calls"] = after["group_cache_calls"] - before["group_cache_calls"]
     return counts
@@ -223,13 +242,16 @@ def test_hybrid_running_step_matches_vllm(num_blocks, events):
     refusals), larger pool (long tables, prefix hits, the window's null blocks); KV
     events on and off. Most steps are idle and answered natively, the steps that free
     or allocate blocks too (src/kvpool/hybrid_alloc.pxi), and the two managers stay
-    identical."""
+    identical. Every lookup of a new request is native without events
+    (src/kvpool/hybrid_lookup.pxi) and gives vLLM's blocks, hit and boundary."""
     counts = _run(NUM_OPS // 4, num_blocks, 2, SEED + num_blocks, events)
     print(f"\nhybrid differential: {num_blocks} blocks, events {events}: {counts}")
     assert counts["native_steps"] > counts["step"] // 3
     assert counts["native_changes"] > counts["step"] // 10 and counts["free"] > 0
     assert counts["group_cache_calls"] > 0
     assert counts["none"] > 0 or num_blocks > 48
+    assert counts["native_lookups"] == (0 if events else counts["add"]) and counts["hits"] > 0
+    assert counts["native_probes"] == counts["add"]
 
 
 @needs_known_release
@@ -238,12 +260,15 @@ def test_several_sliding_windows_match_vllm(events):
     """Gemma 3's shape: full attention beside sliding windows that end mid-block (40 and
     100 tokens of 16-token blocks) and one that keeps 5 extra trailing tokens; the
     steps that free a window's blocks in several groups at once and allocate in every
-    group are native, and the managers stay identical."""
+    group are native, and the managers stay identical. The lookups (four attention
+    groups: vLLM's fixed point over several rounds) are native without events."""
     counts = _run(NUM_OPS // 4, 300, 0, SEED + 7, events, windows=((40, 0), (100, 5), (33, 0)))
     print(f"\nseveral windows, events {events}: {counts}")
     assert counts["native_steps"] > counts["step"] // 4
     assert counts["native_changes"] > counts["step"] // 10 and counts["none"] > 0
     assert counts["group_cache_calls"] > 0
+    assert counts["native_lookups"] == (0 if events else counts["add"]) and counts["hits"] > 0
+    assert counts["native_probes"] == counts["add"]
 
 
 @needs_known_release
@@ -378,6 +403,76 @@ def test_a_patched_method_sends_hybrid_steps_to_vllm(monkeypatch, where):
     # (vLLM's: from the hybrid step's own checks, or before it from the manager path's,
     # which also guard the managers' base class)
     assert _core.hybrid_running_step_state()["native_steps"] == state["native_steps"]
+
+
+@needs_known_release
+@pytest.mark.parametrize("where", ["coordinator class", "coordinator instance", "full-attention class",
+                                   "pool instance", "sliding-window class"])
+def test_a_patched_lookup_method_is_called_as_vllm_calls_it(monkeypatch, where):
+    """What the native hybrid lookup skips (the coordinator's ``find_longest_cache_hit``
+    on its class or instance, ``FullAttentionManager.find_longest_cache_hit``, the
+    pool's ``get_cached_block``), patched after install, is called for both
+    ``get_computed_blocks`` and the scheduler's probe ``get_num_cached_tokens``, with
+    vLLM's results. So is what it calls as vLLM does
+    (``SlidingWindowManager.find_longest_cache_hit``): a change to a checked class sends
+    the lookup to vLLM's code too."""
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
+
+    kvpool.install()
+    manager = _manager(200, 2, False, 3)
+    prompt = list(range(90))
+    first = make_request("a", prompt, max_tokens=100, block_size=BLOCK_SIZE)
+    assert manager.allocate_slots(first, 90) is not None   # caches 5 full blocks
+    req = make_request("b", prompt, max_tokens=100, block_size=BLOCK_SIZE)
+    vanilla = (_vanilla(KVCacheManager, "get_computed_blocks")(manager, req),
+               _vanilla(KVCacheManager, "get_num_cached_tokens")(manager, req))
+    assert vanilla[0][1] == vanilla[1] == 80
+    seen = []
+
+    def counted(owner, name):
+        original = getattr(owner, name)
+        func = getattr(original, "__func__", original)
+
+        def counting(*args, **kwargs):
+            seen.append(name)
+            return func(*args, **kwargs) if owner is not manager.block_pool else original(*args, **kwargs)
+        return classmethod(counting) if isinstance(owner.__dict__.get(name), classmethod) else counting
+
+    if where == "coordinator class":
+        monkeypatch.setattr(HybridKVCacheCoordinator, "find_longest_cache_hit",
+                            counted(HybridKVCacheCoordinator, "find_longest_cache_hit"))
+    elif where == "coordinator instance":
+        coordinator = manager.coordinator
+        original = coordinator.find_longest_cache_hit
+        coordinator.find_longest_cache_hit = lambda *a, **k: (seen.append(a), original(*a, **k))[1]
+    elif where == "full-attention class":
+        monkeypatch.setattr(FullAttentionManager, "find_longest_cache_hit",
+                            counted(FullAttentionManager, "find_longest_cache_hit"))
+    elif where == "pool instance":
+        pool = manager.block_pool
+        original = pool.get_cached_block
+        pool.get_cached_block = lambda *a, **k: (seen.append(a), original(*a, **k))[1]
+    else:
+        monkeypatch.setattr(SlidingWindowManager, "find_longest_cache_hit",
+                            counted(SlidingWindowManager, "find_longest_cache_hit"))
+    state = _core.hybrid_running_step_state()
+    probes = _core.allocate_slots_fast_path_state()["native_probes"]
+    blocks, hit, boundary = manager.get_computed_blocks(req)
+    assert (_lookup_summary(manager, (blocks, hit, boundary)) == _lookup_summary(manager, vanilla[0]))
+    assert manager.get_num_cached_tokens(req) == vanilla[1]
+    assert seen, "the patched method was not called"
+    assert _core.hybrid_running_step_state()["native_lookups"] == state["native_lookups"]
+    assert _core.allocate_slots_fast_path_state()["native_probes"] == probes
+    # (and native again once the patch is gone)
+    monkeypatch.undo()
+    vars(manager.coordinator).pop("find_longest_cache_hit", None)
+    vars(manager.block_pool).pop("get_cached_block", None)
+    assert _lookup_summary(manager, manager.get_computed_blocks(req)) == _lookup_summary(manager, vanilla[0])
+    assert manager.get_num_cached_tokens(req) == vanilla[1]
+    assert _core.hybrid_running_step_state()["native_lookups"] == state["native_lookups"] + 1
+    assert _core.allocate_slots_fast_path_state()["native_probes"] == probes + 1
 
 
 @needs_known_release

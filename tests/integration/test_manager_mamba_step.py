@@ -35,7 +35,13 @@ import pytest
 import kvpool
 from kvpool import _core
 from kvpool.patches import hybrid_fast_path
-from tests.integration.test_manager_fast_path import _summary, _vanilla_allocate_slots
+from kvpool.patches.manager_fast_path import _vanilla
+from tests.integration.test_manager_fast_path import (
+    _lookup_summary,
+    _summary,
+    _vanilla_allocate_slots,
+    _vanilla_get_computed_blocks,
+)
 from tests.integration.test_manager_hybrid_step import _installed_release_is_known, _NeRaises, _outcome, _state
 from tests.support.scheduler import make_request
 
@@ -151,10 +157,14 @@ def _run(num_ops: int, num_blocks: int, seed: int, *, events: bool = False, rete
     vanilla = made[0].coordinator
     vanilla.cache_blocks = types.MethodType(KVCacheCoordinator.cache_blocks, vanilla)
     sides = [(made[0], _vanilla_allocate_slots(), {}), (made[1], KVCacheManager.allocate_slots, {})]
+    lookups = (_vanilla_get_computed_blocks(), KVCacheManager.get_computed_blocks)
+    probes = (_vanilla(KVCacheManager, "get_num_cached_tokens"), KVCacheManager.get_num_cached_tokens)
+    assert probes[1] is _core.kv_cache_manager_get_num_cached_tokens
+    probes_before = _core.allocate_slots_fast_path_state()["native_probes"]
     before = _core.hybrid_running_step_state()
     live: list[str] = []
     next_id = 0
-    counts = {"add": 0, "step": 0, "none": 0, "free": 0, "cache": 0}
+    counts = {"add": 0, "step": 0, "none": 0, "free": 0, "cache": 0, "hits": 0}
     for op in range(num_ops):
         if op % 8 == 0:   # an engine step starts (the scheduler's call; Mamba defers same-step hits)
             for manager, _, _ in sides:
@@ -164,11 +174,16 @@ def _run(num_ops: int, num_blocks: int, seed: int, *, events: bool = False, rete
             rid, next_id = f"r{next_id}", next_id + 1
             prompt = list(rng.choice(PREFIXES)) + [rng.randrange(1, 30_000) for _ in range(rng.randrange(1, 150))]
             junction = rng.choice((0, BLOCK_SIZE * rng.randrange(1, len(prompt) // BLOCK_SIZE + 2)))
-            results = []
+            results, lookup_results = [], []
             for manager, allocate_slots, requests in sides:
                 req = make_request(rid, prompt, max_tokens=10_000, block_size=BLOCK_SIZE)
                 req.shared_prefix_boundary = junction   # (vLLM's scheduler sets it on a detected junction)
-                blocks, hit = manager.get_computed_blocks(req)[:2]
+                # (vLLM's side: vLLM's get_computed_blocks; kvpool's: hybrid_lookup.pxi)
+                native_side = manager is sides[1][0]
+                probed = probes[native_side](manager, req)   # (the scheduler's cache-aware probe)
+                found = lookups[native_side](manager, req)
+                lookup_results.append((probed, _lookup_summary(manager, found)))
+                blocks, hit = found[:2]
                 n = _chunk(random.Random(op), len(prompt) - hit)
                 out = allocate_slots(manager, req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks)
                 results.append((hit, _summary(manager, out)))
@@ -176,7 +191,9 @@ def _run(num_ops: int, num_blocks: int, seed: int, *, events: bool = False, rete
                     req.status = RequestStatus.RUNNING
                     req.num_computed_tokens = hit + n
                     requests[rid] = req
+            assert lookup_results[0] == lookup_results[1], (op, "lookup", lookup_results)
             assert results[0] == results[1], (op, "add", results)
+            counts["hits"] += lookup_results[0][1][1] > 0
             if results[0][1] is not None:
                 live.append(rid)
             counts["add"] += 1
@@ -228,6 +245,8 @@ def _run(num_ops: int, num_blocks: int, seed: int, *, events: bool = False, rete
     after = _core.hybrid_running_step_state()
     counts["native_steps"] = after["native_steps"] - before["native_steps"]
     counts["vllm_steps"] = after["vllm_steps"] - before["vllm_steps"]
+    counts["native_lookups"] = after["native_lookups"] - before["native_lookups"]
+    counts["native_probes"] = _core.allocate_slots_fast_path_state()["native_probes"] - probes_before
     counts["native_cache_calls"] = after["native_cache_calls"] - before["native_cache_calls"]
     counts["vllm_cache_calls"] = after["vllm_cache_calls"] - before["vllm_cache_calls"]
     return counts
@@ -283,17 +302,23 @@ def test_the_contiguous_policy_gets_each_group_s_table_in_vllm_s_calls_on_a_hybr
     dict(num_blocks=200, retention=2 * BLOCK_SIZE),          # one state per 2-block segment
     dict(num_blocks=200, shared_checkpoint=True),            # the shared-prefix junction (forced on)
     dict(num_blocks=200, sliding=True, events=True),         # + a sliding-window group
-], ids=["60-events", "600", "600-dense-events", "200-interval", "200-shared", "200-sliding-events"])
+    dict(num_blocks=300, sliding=True),                      # ... native lookups of three types
+], ids=["60-events", "600", "600-dense-events", "200-interval", "200-shared", "200-sliding-events",
+        "300-sliding"])
 def test_mamba_running_step_matches_vllm(case):
     """Most running steps are idle and answered natively; every other one (a state
     block retired or allocated, a block cached, a partial tail, a copy-on-write) is
-    vLLM's, and the two managers stay identical in every group."""
+    vLLM's, and the two managers stay identical in every group. A new request's lookup
+    is native without events (MambaManager's own find_longest_cache_hit called as vLLM's
+    coordinator calls it) and gives vLLM's blocks, hit and shared-prefix boundary."""
     counts = _run(NUM_OPS // 4, seed=SEED + case["num_blocks"], **case)
     print(f"\nmamba differential {case}: {counts}")
     assert counts["native_steps"] > counts["step"] // 4
     assert counts["vllm_steps"] > 0 and counts["free"] > 0
     assert counts["native_cache_calls"] > counts["cache"] // 4 and counts["vllm_cache_calls"] > 0
     assert counts["none"] > 0 or case["num_blocks"] > 60
+    assert counts["native_lookups"] == (0 if case.get("events") else counts["add"]) and counts["hits"] > 0
+    assert counts["native_probes"] == counts["add"]
 
 
 @needs_known_mamba

@@ -86,6 +86,14 @@ HYBRID_MIRRORED: tuple[tuple[str, str], ...] = (
     ("SlidingWindowSpec", "prefix_cacheable"),
     ("kv_cache_coordinator", "replay_boundaries"),
     ("single_type_kv_cache_manager", "cdiv"),
+    # a waiting request's prefix-cache lookup (src/kvpool/hybrid_lookup.pxi; with
+    # FullAttentionManager.find_longest_cache_hit and BlockPool.get_cached_block, which
+    # manager_fast_path.MIRRORED covers)
+    ("KVCacheManager", "get_computed_blocks"),
+    ("KVCacheManager", "prefix_cache_lookup_enabled"),
+    ("HybridKVCacheCoordinator", "find_longest_cache_hit"),
+    ("HybridKVCacheCoordinator", "_cache_hit_alignment_tokens"),
+    ("kv_cache_coordinator", "cdiv"),
 )
 
 #: The definitions whose layout the hybrid step reads (``None``: the whole class's source):
@@ -99,6 +107,9 @@ HYBRID_LAYOUT: tuple[tuple[str, str | None], ...] = (
     ("KVCacheCoordinator", "__init__"),
     ("HybridKVCacheCoordinator", "__init__"),
     ("KVCacheCoordinatorNoPrefixCache", "__init__"),
+    # the lookup's attention_groups (SpecGroup entries, full attention first)
+    ("HybridKVCacheCoordinator", "verify_and_split_kv_cache_groups"),
+    ("SpecGroup", None),
     ("SingleTypeKVCacheManager", "__init__"),
     ("SlidingWindowManager", "__init__"),
     ("Request", "__init__"),
@@ -140,7 +151,7 @@ MAMBA_LAYOUT: tuple[tuple[str, str | None], ...] = (
 
 #: sha256 of :func:`hybrid_source` per vLLM release the hybrid step was checked against.
 KNOWN_HYBRID_SOURCES: dict[str, str] = {
-    "0.34.0": "be73c253b227d13360c99898deea27de2c8b20e21ea586f84184b647d055a14c",
+    "0.34.0": "ef875e4ad439bdcb43fce7204460b3c7c12c33f8bcf2c256b18cab5f7e407322",
 }
 
 #: sha256 of :func:`mamba_source` per vLLM release its Mamba part was checked against.
@@ -178,6 +189,7 @@ def hybrid_classes() -> dict[str, Any]:
         "SlidingWindowSpec": kv_cache_interface.SlidingWindowSpec,
         "MambaManager": getattr(single_type_kv_cache_manager, "MambaManager", None),
         "MambaSpec": getattr(kv_cache_interface, "MambaSpec", None),
+        "SpecGroup": getattr(kv_cache_coordinator, "SpecGroup", None),
     }
 
 
@@ -304,6 +316,7 @@ def bind(release: str, patcher=None) -> bool:
         mamba_names=MAMBA_NAMES,
         pool_methods=(BlockPool.free_blocks, BlockPool.get_new_blocks, BlockPool._needs_vllm_loop),
         no_prefix_cls=classes["KVCacheCoordinatorNoPrefixCache"],
+        spec_group_cls=classes["SpecGroup"],
     )
     return True
 

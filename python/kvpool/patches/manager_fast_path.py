@@ -179,6 +179,13 @@ KNOWN_GET_BLOCK_IDS: dict[str, str] = {
     "0.30.0": "9a4a06f57067c85dc08e93c1e28ed9bfd604c4d9fecb31f857543cff484e69b0",
 }
 
+#: ... and of ``KVCacheManager.get_num_cached_tokens`` (vLLM >= 0.34.0's cache-aware
+#: admission probe), which ``kv_cache_manager_get_num_cached_tokens`` mirrors (it calls what
+#: ``get_computed_blocks`` calls, which :data:`MIRRORED` and the hybrid fingerprint cover).
+KNOWN_NUM_CACHED_TOKENS: dict[str, str] = {
+    "0.34.0": "46f224b70af6321f1cc3639017e8a3bf9a2359e39628020474d1cd5d196b56dc",
+}
+
 # The methods kvpool binds (not checked to be vLLM's: they are kvpool's once bound).
 _BOUND = (("KVCacheManager", "allocate_slots"), ("KVCacheManager", "get_computed_blocks"))
 
@@ -251,16 +258,22 @@ def matching_release(classes: dict[str, type] | None = None) -> str | None:
     return None
 
 
+def method_fingerprint(cls: type, name: str) -> str | None:
+    """sha256 (hex) of the installed ``cls.name`` source (dedented; kvpool's wrapper seen
+    through), or None where there is none or it cannot be read."""
+    func = _vanilla(cls, name)
+    try:
+        source = _source(func) if func is not None else None
+    except (OSError, TypeError):
+        source = None
+    return None if source is None else hashlib.sha256(source.encode()).hexdigest()
+
+
 def get_block_ids_fingerprint(kv_cache_blocks: type | None = None) -> str | None:
-    """sha256 (hex) of the installed ``KVCacheBlocks.get_block_ids`` source (dedented),
-    or None when it cannot be read."""
+    """:func:`method_fingerprint` of the installed ``KVCacheBlocks.get_block_ids``."""
     if kv_cache_blocks is None:
         from vllm.v1.core.kv_cache_manager import KVCacheBlocks as kv_cache_blocks
-    try:
-        source = _source(_vanilla(kv_cache_blocks, "get_block_ids"))
-    except (OSError, TypeError):
-        return None
-    return hashlib.sha256(source.encode()).hexdigest()
+    return method_fingerprint(kv_cache_blocks, "get_block_ids")
 
 
 def _bind_get_block_ids(patcher, kv_cache_blocks: type) -> None:
@@ -360,6 +373,10 @@ def _bind_get_computed_blocks(patcher, classes: dict[str, Any], traits: VllmRele
     manager_cls = classes["KVCacheManager"]
     module = classes["single_type_kv_cache_manager"]
     vanilla = manager_cls.get_computed_blocks
+    # (get_num_cached_tokens: where the installed function is the release's known one)
+    known = KNOWN_NUM_CACHED_TOKENS.get(traits.version)
+    num_cached = manager_cls.get_num_cached_tokens if known and known == method_fingerprint(
+        manager_cls, "get_num_cached_tokens") and not _foreign_wrapper(manager_cls.get_num_cached_tokens) else None
     _core.configure_prefix_lookup(
         vanilla=vanilla,
         # what FullAttentionManager.find_longest_cache_hit asserts its spec is
@@ -370,10 +387,15 @@ def _bind_get_computed_blocks(patcher, classes: dict[str, Any], traits: VllmRele
         manager_names=_LOOKUP_MANAGER_NAMES,
         coordinator_names=_LOOKUP_COORDINATOR_NAMES,
         single_type_names=_LOOKUP_SINGLE_TYPE_NAMES,
+        num_cached=num_cached,
     )
     lookup = _core.kv_cache_manager_get_computed_blocks
     mark_kvpool_wrapper(lookup, vanilla)
     patcher.set_attr(manager_cls, "get_computed_blocks", lookup)
+    if num_cached is not None:
+        probe = _core.kv_cache_manager_get_num_cached_tokens
+        mark_kvpool_wrapper(probe, num_cached)
+        patcher.set_attr(manager_cls, "get_num_cached_tokens", probe)
 
 
 def _bindable_release(classes: dict[str, Any]) -> str | None:
