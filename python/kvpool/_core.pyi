@@ -235,6 +235,7 @@ def configure_hybrid_running_step(
     mamba_names: Iterable[str] = (),
     pool_methods: Iterable[Any] | None = None,
     no_prefix_cls: type | None = None,
+    spec_group_cls: type | None = None,
 ) -> None: ...
 def hybrid_running_step_state() -> dict[str, Any]: ...
 def configure_prefix_lookup(
@@ -247,10 +248,12 @@ def configure_prefix_lookup(
     coordinator_names: Iterable[str],
     single_type_names: Iterable[str],
     prefix_cache_hit_limit: bool = False,
+    num_cached: Any = None,
 ) -> None: ...
 def kv_cache_manager_get_computed_blocks(
     self: Any, request: Any, max_cache_hit_length: int | None = ..., *args: Any, **kwargs: Any
 ) -> tuple[Any, int, int]: ...
+def kv_cache_manager_get_num_cached_tokens(self: Any, request: Any, *args: Any, **kwargs: Any) -> int: ...
 def kv_cache_coordinator_cache_blocks(
     self: Any, request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any
 ) -> None: ...
