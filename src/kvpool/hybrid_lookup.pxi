@@ -60,7 +60,8 @@ cdef object _hybrid_groups(_AllocateSlotsFastPath fp, _HybridStep hp, coordinato
         for g in <list>group_ids:
             if type(g) is not int or not _nonneg(g, &gid) or gid >= n_groups:
                 return None
-        first = (<tuple>managers)[<long long>(<list>group_ids)[0]]
+        first_id = (<list>group_ids)[0]
+        first = (<tuple>managers)[<long long>first_id]
         if type(spec) is hp.full_spec_cls:
             if manager_cls is not hp.full_attention_cls:
                 return None
@@ -73,10 +74,10 @@ cdef object _hybrid_groups(_AllocateSlotsFastPath fp, _HybridStep hp, coordinato
                     return None
             if not _nonneg(spec.block_size, &n) or n != align or n != hash_bs:
                 return None
-            out.append((True, group_ids, manager_cls, spec, (<list>group_ids)[0], first))
+            out.append((True, group_ids, manager_cls, spec, first_id, first))
         elif type(spec) is hp.sliding_spec_cls or (hp.mamba_spec_cls is not None
                                                    and type(spec) is hp.mamba_spec_cls):
-            out.append((False, group_ids, manager_cls, spec, (<list>group_ids)[0], first))
+            out.append((False, group_ids, manager_cls, spec, first_id, first))
         else:
             return None
     return (out, align, n_groups)
@@ -185,7 +186,6 @@ cdef tuple _hybrid_longest_hit(_AllocateSlotsFastPath fp, coordinator, list grou
             blocks = hit_blocks[group_id]
             if blocks is not None:
                 del blocks[num_blocks:]
-                hit_lengths[group_id] = hit_length
     cdef list per_group = []   # (by hand: no comprehension in the extension)
     for blocks in hit_blocks:
         per_group.append(blocks if blocks is not None else [])

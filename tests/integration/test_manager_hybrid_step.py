@@ -430,33 +430,24 @@ def test_a_patched_lookup_method_is_called_as_vllm_calls_it(monkeypatch, where):
                _vanilla(KVCacheManager, "get_num_cached_tokens")(manager, req))
     assert vanilla[0][1] == vanilla[1] == 80
     seen = []
+    owner, name = {"coordinator class": (HybridKVCacheCoordinator, "find_longest_cache_hit"),
+                   "coordinator instance": (manager.coordinator, "find_longest_cache_hit"),
+                   "full-attention class": (FullAttentionManager, "find_longest_cache_hit"),
+                   "pool instance": (manager.block_pool, "get_cached_block"),
+                   "sliding-window class": (SlidingWindowManager, "find_longest_cache_hit")}[where]
+    on_class = isinstance(owner, type)
+    original = getattr(owner, name)
+    func = getattr(original, "__func__", original) if on_class else original
 
-    def counted(owner, name):
-        original = getattr(owner, name)
-        func = getattr(original, "__func__", original)
+    def counting(*args, **kwargs):
+        seen.append(args)
+        return func(*args, **kwargs)
 
-        def counting(*args, **kwargs):
-            seen.append(name)
-            return func(*args, **kwargs) if owner is not manager.block_pool else original(*args, **kwargs)
-        return classmethod(counting) if isinstance(owner.__dict__.get(name), classmethod) else counting
-
-    if where == "coordinator class":
-        monkeypatch.setattr(HybridKVCacheCoordinator, "find_longest_cache_hit",
-                            counted(HybridKVCacheCoordinator, "find_longest_cache_hit"))
-    elif where == "coordinator instance":
-        coordinator = manager.coordinator
-        original = coordinator.find_longest_cache_hit
-        coordinator.find_longest_cache_hit = lambda *a, **k: (seen.append(a), original(*a, **k))[1]
-    elif where == "full-attention class":
-        monkeypatch.setattr(FullAttentionManager, "find_longest_cache_hit",
-                            counted(FullAttentionManager, "find_longest_cache_hit"))
-    elif where == "pool instance":
-        pool = manager.block_pool
-        original = pool.get_cached_block
-        pool.get_cached_block = lambda *a, **k: (seen.append(a), original(*a, **k))[1]
+    if on_class:
+        monkeypatch.setattr(owner, name, classmethod(counting)
+                            if isinstance(owner.__dict__.get(name), classmethod) else counting)
     else:
-        monkeypatch.setattr(SlidingWindowManager, "find_longest_cache_hit",
-                            counted(SlidingWindowManager, "find_longest_cache_hit"))
+        setattr(owner, name, counting)   # (on the instance; removed below)
     state = _core.hybrid_running_step_state()
     probes = _core.allocate_slots_fast_path_state()["native_probes"]
     blocks, hit, boundary = manager.get_computed_blocks(req)
@@ -467,8 +458,8 @@ def test_a_patched_lookup_method_is_called_as_vllm_calls_it(monkeypatch, where):
     assert _core.allocate_slots_fast_path_state()["native_probes"] == probes
     # (and native again once the patch is gone)
     monkeypatch.undo()
-    vars(manager.coordinator).pop("find_longest_cache_hit", None)
-    vars(manager.block_pool).pop("get_cached_block", None)
+    if not on_class:
+        del vars(owner)[name]
     assert _lookup_summary(manager, manager.get_computed_blocks(req)) == _lookup_summary(manager, vanilla[0])
     assert manager.get_num_cached_tokens(req) == vanilla[1]
     assert _core.hybrid_running_step_state()["native_lookups"] == state["native_lookups"] + 1
