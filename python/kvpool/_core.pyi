@@ -236,6 +236,8 @@ def configure_hybrid_running_step(
     pool_methods: Iterable[Any] | None = None,
     no_prefix_cls: type | None = None,
     spec_group_cls: type | None = None,
+    table_factory: Callable[[], list] | None = None,
+    contiguous: tuple[Any, ...] | None = None,
 ) -> None: ...
 def hybrid_running_step_state() -> dict[str, Any]: ...
 def configure_prefix_lookup(

@@ -491,4 +491,8 @@ class BlockPool(VllmBlockPool):
         }
 
 
-__all__ = ["BlockHashToBlockMap", "BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock", "NotAKvpoolPoolError"]
+#: ``BlockPool._take`` as defined here (src/kvpool/contiguous_take.pxi runs it natively only then).
+NATIVE_TAKE = BlockPool._take
+
+__all__ = ["NATIVE_TAKE", "BlockHashToBlockMap", "BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock",
+           "NotAKvpoolPoolError"]

@@ -47,11 +47,12 @@ SINGLE_TYPE_NAMES = ("remove_skipped_blocks", "get_num_skipped_tokens",
 # ... and those the hybrid running step skips (kvpool.patches.hybrid_fast_path,
 # src/kvpool/hybrid_step.pxi) on HybridKVCacheCoordinator and each group's manager.
 HYBRID_COORDINATOR_NAMES = ("remove_skipped_blocks", "get_num_blocks_to_allocate", "allocate_new_blocks",
-                            "cache_blocks", "get_num_cacheable_tokens", "_align_cacheable")
+                            "cache_blocks", "get_num_cacheable_tokens", "_align_cacheable",
+                            "allocate_new_computed_blocks")
 HYBRID_SINGLE_TYPE_NAMES = ("remove_skipped_blocks", "get_num_skipped_tokens", "_remove_blocks_in_range",
                             "get_num_blocks_to_allocate", "allocate_new_blocks", "cache_blocks",
                             "_cache_partial_tail_block", "reachable_block_mask", "_get_num_evictable_blocks",
-                            "_has_partial_local_hit")
+                            "_has_partial_local_hit", "add_local_computed_blocks")
 # kvpool's BlockHashToBlockMap methods the native loops replace (class and instance).
 MAP_NAMES = ("contain", "insert", "pop", "get_one_block")
 # Pool methods the native cache_blocks and eviction skip (_emit_block_removed_events may

@@ -108,11 +108,13 @@ include "block_lists.pxi"         # list / reversed(list) read in place
 include "manager.pxi"             # KVCacheManager.allocate_slots for a running request (issue 17)
 include "hybrid_step.pxi"         # ... and its idle step under HybridKVCacheCoordinator
 include "hybrid_alloc.pxi"        # ... and its steps that free or allocate (full + sliding window)
+include "hybrid_admit.pxi"        # ... and a waiting request's first allocation there
 include "mamba_step.pxi"          # ... a Mamba group's part of that idle step
 include "hybrid_cache.pxi"        # ... and the hybrid coordinator's cache_blocks that caches nothing
 include "lookup.pxi"              # KVCacheManager.get_computed_blocks, one full-attention group
 include "hybrid_lookup.pxi"       # ... and under HybridKVCacheCoordinator
 include "alloc.pxi"               # pool_get_new_blocks (vLLM's order and the contiguous policy)
+include "contiguous_take.pxi"     # ... the contiguous policy's allocation for a known table
 include "free.pxi"                # pool_free_blocks and the shared free loop
 include "touch.pxi"               # pool_touch
 include "unpin_evict.pxi"         # pool_unpin_blocks, pool_blocks_to_evict

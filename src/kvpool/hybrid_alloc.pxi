@@ -141,7 +141,7 @@ cdef int _remove_skipped(tuple managers, str request_id, list tables,
 
 
 cdef bint _pool_runs_no_code(_HybridStep hp, pool) except -1:
-    """The pool's ``free_blocks`` and ``get_new_blocks`` are kvpool's own (``hp``'s, on
+    """The pool's ``free_blocks``, ``get_new_blocks`` and ``touch`` are kvpool's own (``hp``'s, on
     its class and not set on the instance) and take kvpool's native loops: no reuse
     watcher, metrics collector or patched method they call (``_needs_vllm_loop``)."""
     cls = type(pool)
@@ -149,11 +149,12 @@ cdef bint _pool_runs_no_code(_HybridStep hp, pool) except -1:
             and getattr(cls, "free_blocks", None) is hp.pool_free_blocks
             and getattr(cls, "get_new_blocks", None) is hp.pool_get_new_blocks
             and getattr(cls, "_needs_vllm_loop", None) is hp.pool_needs_vllm_loop
+            and getattr(cls, "touch", None) is hp.pool_touch
             and _not_overridden(pool, _POOL_STEP_NAMES)
             and pool._needs_vllm_loop() is False)
 
 
-cdef tuple _POOL_STEP_NAMES = ("free_blocks", "get_new_blocks", "_needs_vllm_loop")
+cdef tuple _POOL_STEP_NAMES = ("free_blocks", "get_new_blocks", "_needs_vllm_loop", "touch")
 
 
 cdef tuple _hybrid_changes_ready(_HybridStep hp, _AllocateSlotsFastPath fp, manager, request,

@@ -37,7 +37,10 @@ cdef class _HybridStep:
     cdef public Py_ssize_t native_changes   # steps that freed or allocated natively
     cdef public Py_ssize_t group_cache_calls   # cache_blocks run group by group
     cdef public Py_ssize_t native_lookups   # get_computed_blocks answered by hybrid_lookup.pxi
+    cdef public Py_ssize_t native_admissions, vllm_admissions   # hybrid_admit.pxi's first allocations
     cdef public object pool_free_blocks, pool_get_new_blocks, pool_needs_vllm_loop   # kvpool's BlockPool's
+    cdef public object pool_touch
+    cdef public object table_factory   # the managers' req_to_blocks default_factory (vLLM's untracked_list)
 
     def __init__(self):
         self.enabled = False
@@ -50,7 +53,9 @@ cdef class _HybridStep:
         self.native_steps = self.vllm_steps = 0
         self.native_cache_calls = self.vllm_cache_calls = 0
         self.native_changes = self.group_cache_calls = self.native_lookups = 0
+        self.native_admissions = self.vllm_admissions = 0
         self.pool_free_blocks = self.pool_get_new_blocks = self.pool_needs_vllm_loop = None
+        self.pool_touch = self.table_factory = None
 
     cdef bint classes_unchanged(self):
         """The hybrid coordinator's, the managers' and their specs' classes (Mamba's and
@@ -115,7 +120,7 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
                                   class_checks, coordinator_names, single_type_names,
                                   step_globals=(), mamba_cls=None, mamba_spec_cls=None,
                                   mamba_names=(), pool_methods=None, no_prefix_cls=None,
-                                  spec_group_cls=None):
+                                  spec_group_cls=None, table_factory=None, contiguous=None):
     """Arm the hybrid running step of :func:`kv_cache_manager_allocate_slots` (called by
     ``kvpool.patches.hybrid_fast_path`` after the native allocate_slots is configured;
     ``disable_allocate_slots_fast_path`` disarms both).
@@ -131,15 +136,24 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
     (``class_checks`` and ``step_globals`` then cover its methods; ``mamba_names``: its
     methods that must not be set on a Mamba manager instance); None: a model with a
     Mamba group keeps vLLM's step. ``pool_methods``: kvpool's ``BlockPool.free_blocks``,
-    ``get_new_blocks`` and ``_needs_vllm_loop`` (the functions), which the steps that
-    free and allocate (``hybrid_alloc.pxi``) require a pool to have; None: those steps
-    stay vLLM's. ``no_prefix_cls``: vLLM's ``KVCacheCoordinatorNoPrefixCache`` (the
-    coordinator of every model with prefix caching off), whose methods ``class_checks``
+    ``get_new_blocks``, ``_needs_vllm_loop`` and ``touch`` (the functions), which the
+    steps that free and allocate (``hybrid_alloc.pxi``) and a waiting request's first
+    allocation (``hybrid_admit.pxi``) require a pool to have; None: those stay vLLM's.
+    ``no_prefix_cls``: vLLM's ``KVCacheCoordinatorNoPrefixCache`` (the coordinator of
+    every model with prefix caching off), whose methods ``class_checks``
     then cover too: a hybrid model's running step under it is this step's (with caching
     off in every group); None: such steps stay vLLM's. ``spec_group_cls``: vLLM's
     ``SpecGroup`` (the entries of the coordinator's ``attention_groups``), which arms the
     native prefix-cache lookup of ``hybrid_lookup.pxi`` (``class_checks`` then cover
-    ``HybridKVCacheCoordinator.find_longest_cache_hit``); None: lookups stay vLLM's."""
+    ``HybridKVCacheCoordinator.find_longest_cache_hit``); None: lookups stay vLLM's.
+    ``table_factory``: the ``default_factory`` of vLLM's managers' ``req_to_blocks``
+    (``vllm.utils.gc_utils.untracked_list``), which a waiting request's first
+    allocation (``hybrid_admit.pxi``) lets make the request's tables as vLLM's code
+    does; None: those allocations stay vLLM's. ``contiguous``: kvpool's
+    ``(ContiguousPolicy, ContiguousPolicy.extend_table, ContiguousPolicy.after_change,
+    AllocationPolicy.queue_policy, ContiguousPolicy.expect_tokens, BlockPool._take)``,
+    which the native manager path's allocations under ``allocation="contiguous"`` run
+    natively while they are those (``contiguous_take.pxi``); None: through the pool."""
     if (mamba_cls is None) != (mamba_spec_cls is None):
         raise ValueError("mamba_cls and mamba_spec_cls go together")
     _hybrid.enabled = False
@@ -159,6 +173,8 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
     _hybrid.mamba_names = tuple(mamba_names)
     _hybrid.no_prefix_cls = no_prefix_cls
     _hybrid.spec_group_cls = spec_group_cls
+    _hybrid.table_factory = table_factory
+    _configure_contiguous_take(contiguous)
     _hybrid.n_classes = (5 if mamba_cls is None else 7) + (no_prefix_cls is not None)
     _hybrid.step_globals = tuple(step_globals)
     _fill_checks(_hybrid.step_checks, _hybrid.step_globals)
@@ -166,26 +182,34 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
     _hybrid.native_steps = _hybrid.vllm_steps = 0
     _hybrid.native_cache_calls = _hybrid.vllm_cache_calls = 0
     _hybrid.native_changes = _hybrid.group_cache_calls = _hybrid.native_lookups = 0
-    _hybrid.pool_free_blocks, _hybrid.pool_get_new_blocks, _hybrid.pool_needs_vllm_loop = (
-        (None, None, None) if pool_methods is None else tuple(pool_methods))
+    _hybrid.native_admissions = _hybrid.vllm_admissions = 0
+    (_hybrid.pool_free_blocks, _hybrid.pool_get_new_blocks, _hybrid.pool_needs_vllm_loop,
+     _hybrid.pool_touch) = (None, None, None, None) if pool_methods is None else tuple(pool_methods)
     _hybrid.enabled = True
 
 
 def hybrid_running_step_state():
     """``{"enabled", "mamba", "native_steps", "vllm_steps", "native_changes",
-    "group_cache_calls", "native_cache_calls", "vllm_cache_calls", "native_lookups"}``:
+    "group_cache_calls", "native_cache_calls", "vllm_cache_calls", "native_lookups",
+    "native_admissions", "vllm_admissions", "contiguous_takes"}``:
     whether the hybrid step is armed (and for Mamba groups), the idle running steps it
     answered, those of a hybrid coordinator it handed to vLLM's code, the steps that
     freed or allocated natively, the coordinator's ``cache_blocks`` calls run group by
     group (a full-attention group natively), found caching nothing, and handed on, and
-    the prefix-cache lookups answered by ``hybrid_lookup.pxi`` (tests, ``kvpool info``)."""
+    the prefix-cache lookups answered by ``hybrid_lookup.pxi``, and the first allocations
+    of waiting requests under a hybrid coordinator answered by ``hybrid_admit.pxi`` and
+    handed to vLLM's code, and the native manager path's allocations that ran the
+    contiguous policy natively (``contiguous_take.pxi``; tests, ``kvpool info``)."""
     return {"enabled": _hybrid.enabled, "mamba": _hybrid.enabled and _hybrid.mamba_cls is not None,
             "native_steps": _hybrid.native_steps, "vllm_steps": _hybrid.vllm_steps,
             "native_changes": _hybrid.native_changes,
             "group_cache_calls": _hybrid.group_cache_calls,
             "native_cache_calls": _hybrid.native_cache_calls,
             "vllm_cache_calls": _hybrid.vllm_cache_calls,
-            "native_lookups": _hybrid.native_lookups}
+            "native_lookups": _hybrid.native_lookups,
+            "native_admissions": _hybrid.native_admissions,
+            "vllm_admissions": _hybrid.vllm_admissions,
+            "contiguous_takes": _contiguous.native_takes}
 
 
 cdef object _hybrid_running_step(_AllocateSlotsFastPath fp, manager, request, _Step* s,

@@ -973,13 +973,22 @@ cdef object _allocate_slots_native(self, request, num_new_tokens, num_new_comput
     cdef _AllocateSlotsFastPath fp = _fast_path
     cdef _Step s
     cdef long long total, need, to_alloc, free_blocks
-    if (not fp.enabled or args or kwargs
+    if not fp.enabled:
+        return _VLLM
+    if (args or kwargs
             or not _step_arguments(&s, num_new_tokens, num_new_computed_tokens,
                                    new_computed_blocks, num_lookahead_tokens,
                                    num_external_computed_tokens, delay_cache_blocks,
                                    num_encoder_tokens, full_sequence_must_fit,
                                    reserved_blocks, has_scheduled_reqs)):
-        return _VLLM
+        if not _hybrid.enabled:
+            return _VLLM
+        # (a waiting request's admission, under the hybrid coordinator: hybrid_admit.pxi)
+        return _hybrid_admission(fp, self, request, num_new_tokens, num_new_computed_tokens,
+                                 new_computed_blocks, num_lookahead_tokens,
+                                 num_external_computed_tokens, delay_cache_blocks,
+                                 num_encoder_tokens, full_sequence_must_fit,
+                                 reserved_blocks, has_scheduled_reqs, args, kwargs)
     mgr = _eligible(fp, fp.allocate_entry, self, None)
     if mgr is None:
         return _VLLM
@@ -1037,7 +1046,14 @@ cdef object _extend_table(_AllocateSlotsFastPath fp, mgr, str request_id, long l
     if to_alloc <= 0:
         return None
     pool = mgr.block_pool
-    if fp.manager_hooks and getattr(pool, "_kvpool_init", False):
+    new_blocks = None
+    if (fp.manager_hooks and type(pool) is fp.pool_cls and pool._kvpool_init is True
+            and type(table) is list and _pool_runs_no_code(_hybrid, pool)):
+        # kvpool's contiguous policy, natively (contiguous_take.pxi)
+        new_blocks = _contiguous_take(pool, mgr, request_id, <list>table, to_alloc)
+    if new_blocks is not None:
+        pass
+    elif fp.manager_hooks and getattr(pool, "_kvpool_init", False):
         # The pool's table context (a C frame has no locals for
         # kvpool.allocation.base.table_of_caller to find).
         state = _enter_table_context(pool, (mgr, request_id))

@@ -120,13 +120,13 @@ def _state(manager) -> tuple:
 
 def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool = False,
          window_blocks: int = 3, windows: tuple[tuple[int, int], ...] = (), setup=None,
-         caching: bool = True) -> dict:
+         caching: bool = True, allocation: str = "vllm") -> dict:
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.request import RequestStatus
 
     rng = random.Random(seed)
-    kvpool.install()
+    kvpool.install(allocation=allocation)
     assert KVCacheManager.allocate_slots is _core.kv_cache_manager_allocate_slots
     vanilla_fn = _vanilla_allocate_slots()
     sides = [(_manager(num_blocks, num_groups, events, window_blocks, windows, caching), vanilla_fn, {}),
@@ -145,13 +145,24 @@ def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool
     before = _core.hybrid_running_step_state()
     live: list[str] = []
     next_id = 0
-    counts = {"add": 0, "step": 0, "none": 0, "free": 0, "hits": 0}
+    counts = {"add": 0, "step": 0, "none": 0, "free": 0, "hits": 0, "refused": 0}
     for op in range(num_ops):
         roll = rng.random()
         if len(live) < 3 or (roll < 0.05 and len(live) < 10):
             rid, next_id = f"r{next_id}", next_id + 1
             prompt = list(rng.choice(PREFIXES)) + [rng.randrange(1, 30_000) for _ in range(rng.randrange(1, 150))]
             chunk = rng.choice((16, 64, 512))
+            # (the scheduler's admission: full_sequence_must_fit (scheduler_reserve_full_isl,
+            # on by default), skip_zeroing_group_ids=(); now and then other arguments)
+            admit = {"full_sequence_must_fit": rng.random() < 0.7, "skip_zeroing_group_ids": ()}
+            if rng.random() < 0.2:
+                admit["has_scheduled_reqs"] = rng.random() < 0.5
+            if rng.random() < 0.15:
+                admit["num_lookahead_tokens"] = rng.choice((1, 3, 40))
+            if rng.random() < 0.15:
+                admit["reserved_blocks"] = rng.choice((1, 8, num_blocks // 2, num_blocks))
+            if rng.random() < 0.05:
+                admit["delay_cache_blocks"] = True
             results, lookup_results = [], []
             for manager, allocate_slots, requests in sides:
                 req = make_request(rid, prompt, max_tokens=10_000, block_size=BLOCK_SIZE)
@@ -162,7 +173,8 @@ def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool
                 lookup_results.append((probed, _lookup_summary(manager, found)))
                 blocks, hit = found[:2]
                 n = min(chunk, len(prompt) - hit)
-                out = allocate_slots(manager, req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+                out = allocate_slots(manager, req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks,
+                                     **admit)
                 results.append((hit, _summary(manager, out)))
                 if out is not None:
                     req.status = RequestStatus.RUNNING
@@ -174,6 +186,7 @@ def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool
             if results[0][1] is not None:
                 live.append(rid)
             counts["add"] += 1
+            counts["refused"] += results[0][1] is None
         elif roll < 0.09 or sides[0][2][live[0]].num_tokens > 1500:
             rid = live.pop(rng.randrange(len(live)) if roll < 0.09 else 0)
             freed = [_outcome(lambda: manager.free(requests.pop(rid))) for manager, _, requests in sides]
@@ -222,6 +235,8 @@ def _run(num_ops: int, num_blocks: int, num_groups: int, seed: int, events: bool
     counts["native_steps"] = after["native_steps"] - before["native_steps"]
     counts["vllm_steps"] = after["vllm_steps"] - before["vllm_steps"]
     counts["native_lookups"] = after["native_lookups"] - before["native_lookups"]
+    counts["native_admissions"] = after["native_admissions"] - before["native_admissions"]
+    counts["contiguous_takes"] = after["contiguous_takes"] - before["contiguous_takes"]
     counts["native_probes"] = _core.allocate_slots_fast_path_state()["native_probes"] - probes_before
     counts["native_changes"] = after["native_changes"] - before["native_changes"]
     counts["group_cache_calls"] = after["group_cache_calls"] - before["group_cache_calls"]
@@ -252,6 +267,9 @@ def test_hybrid_running_step_matches_vllm(num_blocks, events):
     assert counts["none"] > 0 or num_blocks > 48
     assert counts["native_lookups"] == (0 if events else counts["add"]) and counts["hits"] > 0
     assert counts["native_probes"] == counts["add"]
+    # (every admission is native: src/kvpool/hybrid_admit.pxi; refusals among them)
+    assert counts["native_admissions"] == counts["add"]
+    assert counts["refused"] > 0 or num_blocks > 48
 
 
 @needs_known_release
@@ -265,6 +283,7 @@ def test_several_sliding_windows_match_vllm(events):
     counts = _run(NUM_OPS // 4, 300, 0, SEED + 7, events, windows=((40, 0), (100, 5), (33, 0)))
     print(f"\nseveral windows, events {events}: {counts}")
     assert counts["native_steps"] > counts["step"] // 4
+    assert counts["native_admissions"] == counts["add"] and counts["refused"] > 0
     assert counts["native_changes"] > counts["step"] // 10 and counts["none"] > 0
     assert counts["group_cache_calls"] > 0
     assert counts["native_lookups"] == (0 if events else counts["add"]) and counts["hits"] > 0
@@ -289,6 +308,25 @@ def test_prefix_caching_off_matches_vllm(num_blocks):
     assert counts["native_steps"] > counts["step"] // 4
     assert counts["native_changes"] > counts["step"] // 10 and counts["free"] > 0
     assert counts["none"] > 0 or num_blocks > 48
+
+
+@needs_known_release
+@pytest.mark.parametrize("num_blocks", [48, 300])
+def test_the_contiguous_policy_runs_natively_with_its_python_tables(num_blocks):
+    """Under ``allocation="contiguous"`` the native path's allocations run the policy
+    natively (src/kvpool/contiguous_take.pxi: the table's last block, its extent owner
+    and expected growth, the planned take, the LRU front absorbed). vLLM's side runs
+    vLLM's ``allocate_slots`` on a pool that finds each table in the frames and runs
+    ``ContiguousPolicy.extend_table`` in Python: after every operation the block ids of
+    every table, the free queue's order and the prefix cache are the same."""
+    try:
+        counts = _run(NUM_OPS // 8, num_blocks, 0, SEED + 23 + num_blocks, windows=((40, 0), (100, 5)),
+                      allocation="contiguous")
+    finally:
+        kvpool.uninstall()
+    print(f"\ncontiguous, {num_blocks} blocks: {counts}")
+    assert counts["native_admissions"] == counts["add"] and counts["native_changes"] > 0
+    assert counts["contiguous_takes"] > counts["add"] and counts["hits"] > 0
 
 
 def _hostile_frees(manager) -> None:

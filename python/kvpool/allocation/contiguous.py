@@ -170,4 +170,9 @@ class ContiguousPolicy(AllocationPolicy):
         self.table_owners.clear()
 
 
-__all__ = ["EXTENT_CAP_FRACTION", "ContiguousPolicy"]
+#: The methods src/kvpool/contiguous_take.pxi runs natively, as this module defines them
+#: (taken at import: a method replaced later, even before ``install()``, is called instead).
+NATIVE_MIRRORED = (ContiguousPolicy.extend_table, ContiguousPolicy.after_change,
+                   AllocationPolicy.queue_policy, ContiguousPolicy.expect_tokens)
+
+__all__ = ["EXTENT_CAP_FRACTION", "NATIVE_MIRRORED", "ContiguousPolicy"]

@@ -94,6 +94,11 @@ HYBRID_MIRRORED: tuple[tuple[str, str], ...] = (
     ("HybridKVCacheCoordinator", "find_longest_cache_hit"),
     ("HybridKVCacheCoordinator", "_cache_hit_alignment_tokens"),
     ("kv_cache_coordinator", "cdiv"),
+    # a waiting request's first allocation (src/kvpool/hybrid_admit.pxi): its prefix-cache
+    # hits adopted group by group
+    ("HybridKVCacheCoordinator", "allocate_new_computed_blocks"),
+    ("FullAttentionManager", "add_local_computed_blocks"),
+    ("SlidingWindowManager", "add_local_computed_blocks"),
 )
 
 #: The definitions whose layout the hybrid step reads (``None``: the whole class's source):
@@ -151,7 +156,7 @@ MAMBA_LAYOUT: tuple[tuple[str, str | None], ...] = (
 
 #: sha256 of :func:`hybrid_source` per vLLM release the hybrid step was checked against.
 KNOWN_HYBRID_SOURCES: dict[str, str] = {
-    "0.34.0": "ef875e4ad439bdcb43fce7204460b3c7c12c33f8bcf2c256b18cab5f7e407322",
+    "0.34.0": "f79bbcb21e292cb072dade33852495d27fa760c70ec506482dd2e2f87d52a172",
 }
 
 #: sha256 of :func:`mamba_source` per vLLM release its Mamba part was checked against.
@@ -269,7 +274,8 @@ def bind(release: str, patcher=None) -> bool:
     at once (``src/kvpool/hybrid_cache.pxi``). ``uninstall()`` unbinds both; the next
     install disarms the step first (``_core.disable_allocate_slots_fast_path``)."""
     from kvpool import _core
-    from kvpool.block_pool import BlockPool
+    from kvpool.allocation.contiguous import NATIVE_MIRRORED, ContiguousPolicy
+    from kvpool.block_pool import NATIVE_TAKE, BlockPool
     from kvpool.patches.manager_fast_path import _bound_function, _foreign_wrapper
     from kvpool.patches.sources import mark_kvpool_wrapper
 
@@ -314,9 +320,12 @@ def bind(release: str, patcher=None) -> bool:
         mamba_cls=classes["MambaManager"] if mamba else None,
         mamba_spec_cls=classes["MambaSpec"] if mamba else None,
         mamba_names=MAMBA_NAMES,
-        pool_methods=(BlockPool.free_blocks, BlockPool.get_new_blocks, BlockPool._needs_vllm_loop),
+        pool_methods=(BlockPool.free_blocks, BlockPool.get_new_blocks, BlockPool._needs_vllm_loop,
+                      BlockPool.touch),
         no_prefix_cls=classes["KVCacheCoordinatorNoPrefixCache"],
         spec_group_cls=classes["SpecGroup"],
+        table_factory=getattr(classes["single_type_kv_cache_manager"], "untracked_list", None),
+        contiguous=(ContiguousPolicy, *NATIVE_MIRRORED, NATIVE_TAKE),
     )
     return True
 
