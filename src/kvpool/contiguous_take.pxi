@@ -73,12 +73,7 @@ cdef object _contiguous_take(pool, mgr, str request_id, list table, Py_ssize_t n
         return None
     owners = policy.table_owners
     expected_tokens = policy.expected_tokens
-    if (type(owners) is not dict or type(expected_tokens) is not dict
-            or not _nonneg(policy._next_owner, &next_n) or not _nonneg(policy.extent_cap, &cap)
-            or not _nonneg(mgr.block_size, &bs) or bs == 0):
-        return None
-    expected = (<dict>expected_tokens).get(request_id)
-    if expected is not None and not _nonneg(expected, &expected_n):
+    if type(owners) is not dict or type(expected_tokens) is not dict:
         return None
     # the table's last block that is not the null block (its id + 1: where to continue)
     for i in range(len(table) - 1, -1, -1):
@@ -93,17 +88,26 @@ cdef object _contiguous_take(pool, mgr, str request_id, list table, Py_ssize_t n
             break
         if blk._is_null_o != kvpool_true():
             return None
+    # (read in extend_table's order: a dict look-up may run a key's __eq__, which could
+    # change what is read after it)
+    key = (id(mgr), request_id)
+    owner = (<dict>owners).get(key)
+    if owner is None:
+        if not _nonneg(policy._next_owner, &next_n):
+            return None
+        owner_n = next_n
+    elif not _nonneg(owner, &owner_n):
+        return None
+    expected = (<dict>expected_tokens).get(request_id)
+    if ((expected is not None and (not _nonneg(expected, &expected_n)
+                                   or not _nonneg(mgr.block_size, &bs) or bs == 0))
+            or not _nonneg(policy.extent_cap, &cap)):
+        return None
     held = len(table)
     growth = (expected_n + bs - 1) // bs - held if expected is not None else held + num_blocks
     want = growth if growth < cap else cap
     if want < num_blocks:
         want = num_blocks
-    key = (id(mgr), request_id)
-    owner = (<dict>owners).get(key)
-    if owner is None:
-        owner_n = next_n
-    elif not _nonneg(owner, &owner_n):
-        return None
     if owner_n > 0x7FFFFFF0 or want > 0x7FFFFFFF or last >= 0x7FFFFFFF:
         return None   # (the pool's int32 arguments: kvpool's path raises OverflowError)
     if owner is None:

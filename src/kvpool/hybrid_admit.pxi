@@ -176,6 +176,12 @@ cdef bint _admit_group_ready(_HybridStep hp, mgr, str request_id, empty_list, hi
             or mgr.block_pool is not pool or mgr.enable_caching is not True
             or type(mgr._record_new_block_ids) is not bool or type(mgr.new_block_ids) is not list):
         return False
+    g.cap = -1
+    if a.full_fit:
+        # (read before the request's dict look-ups, as get_num_blocks_to_allocate reads it)
+        cap = mgr.max_admission_blocks_per_request
+        if cap is not None and not _nonneg(cap, &g.cap):
+            return False
     req_to_blocks = mgr.req_to_blocks
     num_cached_block = mgr.num_cached_block
     partial = mgr._partial_hit_reqs
@@ -189,11 +195,6 @@ cdef bint _admit_group_ready(_HybridStep hp, mgr, str request_id, empty_list, hi
     if ((table is not None and (type(table) is not list or len(<list>table) != 0))
             or request_id in <dict>num_cached_block or request_id in <dict>partial):
         return False
-    g.cap = -1
-    if a.full_fit:
-        cap = mgr.max_admission_blocks_per_request
-        if cap is not None and not _nonneg(cap, &g.cap):
-            return False
     g.n_hits = len(hits)
     if g.n_hits > 0 and a.local % g.bs != 0:   # (_has_partial_local_hit)
         return False

@@ -329,6 +329,55 @@ def test_the_contiguous_policy_runs_natively_with_its_python_tables(num_blocks):
     assert counts["contiguous_takes"] > counts["add"] and counts["hits"] > 0
 
 
+@needs_known_release
+@pytest.mark.parametrize("allocation", ["vllm", "contiguous"])
+@pytest.mark.parametrize("num_blocks", [8, 10])
+def test_a_key_whose_eq_changes_what_vllm_reads_next_gives_vllms_admission(num_blocks, allocation):
+    """A key in a dict the admission looks the request up in, whose hash is the
+    request's and whose ``__eq__`` changes what vLLM's code reads after that look-up
+    (found by an adversarial run): in the sliding-window group's ``num_cached_block``,
+    one that sets the group's ``max_admission_blocks_per_request`` to 0 (vLLM reads the cap
+    before the look-up: refused at 8-10 blocks); in the contiguous policy's
+    ``table_owners``, one that moves ``_next_owner`` (read after the look-up). The
+    native admission reads both in vLLM's (and ``extend_table``'s) order: same outcome,
+    same owners, same number of ``__eq__`` calls."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    kvpool.install(allocation=allocation)
+    try:
+        outcomes = []
+        for allocate_slots in (_vanilla_allocate_slots(), KVCacheManager.allocate_slots):
+            manager = _manager(num_blocks, 2, False, 3)
+            swa = manager.coordinator.single_type_managers[1]
+            policy = manager.block_pool._policy
+            calls = []
+
+            class Key:
+                def __hash__(self, _h=hash("a")):
+                    return _h
+
+                def __eq__(self, other):
+                    calls.append(1)
+                    swa.max_admission_blocks_per_request = 0
+                    if allocation == "contiguous":
+                        policy._next_owner = 77
+                    return False
+
+            swa.num_cached_block[Key()] = 0
+            if allocation == "contiguous":
+                full = manager.coordinator.single_type_managers[0]
+                policy.table_owners[type("K", (Key,), {"__hash__": lambda self: hash((id(full), "a"))})()] = 1
+            req = make_request("a", list(range(1, 101)), max_tokens=100, block_size=BLOCK_SIZE)
+            out = allocate_slots(manager, req, 16, num_new_computed_tokens=0, new_computed_blocks=None,
+                                 full_sequence_must_fit=True, skip_zeroing_group_ids=())
+            owners = sorted(v for k, v in getattr(policy, "table_owners", {}).items() if type(k) is tuple)
+            outcomes.append((_summary(manager, out), len(calls), owners, getattr(policy, "_next_owner", None),
+                             [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]))
+    finally:
+        kvpool.uninstall()
+    assert outcomes[0] == outcomes[1]
+
+
 def _hostile_frees(manager) -> None:
     """The pool's ``free_blocks``, set on the instance (vLLM's and the native step call
     it through the pool): every call gives the request's other sliding-window tables
