@@ -163,16 +163,8 @@ cdef bint _admit_group_ready(_HybridStep hp, mgr, str request_id, empty_list, hi
     list of kvpool blocks (:func:`_evictable_hits`; or an empty tuple) that ends on a block boundary (else
     the copy-on-write tail: vLLM's); the window's numbers exact ints. Fills ``g``;
     False: vLLM's code runs the call."""
-    cdef object cls = type(mgr)
     cdef long long skipped
-    if cls is hp.full_attention_cls:
-        spec_cls = hp.full_spec_cls
-    elif cls is hp.sliding_window_cls:
-        spec_cls = hp.sliding_spec_cls
-    else:
-        return False
-    if (type(mgr.kv_cache_spec) is not spec_cls or not _not_overridden(mgr, hp.single_type_names)
-            or not _nonneg(mgr.block_size, &g.bs) or g.bs == 0
+    if (not _group_manager_plain(hp, mgr, &g.bs)
             or mgr.block_pool is not pool or mgr.enable_caching is not True
             or type(mgr._record_new_block_ids) is not bool or type(mgr.new_block_ids) is not list):
         return False
@@ -200,12 +192,13 @@ cdef bint _admit_group_ready(_HybridStep hp, mgr, str request_id, empty_list, hi
         return False
     g.skip_total = g.skip_local = 0
     g.makes_entry = False
-    if cls is hp.sliding_window_cls:
+    if type(mgr) is hp.sliding_window_cls:
+        # (remove_skipped_blocks reads the table when the window skips a token: the
+        # skipped tokens are _sliding_skip's count in 1-token blocks)
         if (not _sliding_skip(mgr, a.total, g.bs, _NATIVE_INT_LIMIT, &g.skip_total)
-                or not _sliding_skip(mgr, a.local, g.bs, _NATIVE_INT_LIMIT, &g.skip_local)):
+                or not _sliding_skip(mgr, a.local, g.bs, _NATIVE_INT_LIMIT, &g.skip_local)
+                or not _sliding_skip(mgr, t.processed, 1, _NATIVE_INT_LIMIT, &skipped)):
             return False
-        # (remove_skipped_blocks reads the table when the window skips a token)
-        skipped = t.processed - mgr.sliding_window + 1 - mgr.extra_retained_tokens
         g.makes_entry = skipped > 0
         if a.adopt and g.skip_local > 0:
             null_block = mgr._null_block

@@ -415,18 +415,26 @@ cdef object _hybrid_group_ready(_HybridStep hp, mgr, str request_id, empty_list,
     on the instance, a positive int ``block_size`` (into ``bs``), and
     :func:`_group_table`'s reads (``n_cached``, ``no_prefix``: its own). Returns the
     request's table; None otherwise (vLLM's code runs the call)."""
+    if not _group_manager_plain(hp, mgr, bs):
+        return None
+    return _group_table(mgr, request_id, empty_list, n_cached, no_prefix)
+
+
+cdef bint _group_manager_plain(_HybridStep hp, mgr, long long* bs) except -1:
+    """A full-attention or sliding-window group's manager and its spec are of the exact
+    classes the step mirrors, no mirrored method is set on the manager instance, and its
+    ``block_size`` is a positive int (into ``bs``): the group checks shared by the running
+    step (:func:`_hybrid_group_ready`) and a first allocation (:func:`_admit_group_ready`)."""
     cdef object t = type(mgr)
     if t is hp.full_attention_cls:
         spec_cls = hp.full_spec_cls
     elif t is hp.sliding_window_cls:
         spec_cls = hp.sliding_spec_cls
     else:
-        return None
+        return False
     if type(mgr.kv_cache_spec) is not spec_cls:   # (its prefix_cacheable: vLLM's, checked)
-        return None
-    if not _not_overridden(mgr, hp.single_type_names) or not _nonneg(mgr.block_size, bs) or bs[0] == 0:
-        return None
-    return _group_table(mgr, request_id, empty_list, n_cached, no_prefix)
+        return False
+    return _not_overridden(mgr, hp.single_type_names) and _nonneg(mgr.block_size, bs) and bs[0] != 0
 
 
 cdef object _group_table(mgr, str request_id, empty_list, long long* n_cached, bint no_prefix):
