@@ -57,10 +57,10 @@ WORKLOADS = {
     # variant at SCALE. The same 4,000 steps as ten 400-step windows, in forty of 100
     # steps: the modes alternate every ~0.15 s instead of every ~0.6 s, so a slowdown
     # of the shared machine lasting a second reaches the three modes' windows alike.
-    # Its ratio sits closest to its gate (1.50-1.59x here at ten windows; the project's
+    # Its ratio sits closest to its gate (1.42-1.59x here at ten windows; the project's
     # CI measured 1.33-1.51x on 2026-12-07); at forty windows, two runs here gave
-    # 1.57x / 1.54x both times, and the median stays within 0.05x of the
-    # CPU-per-step ratio (docs/measurements.md, 2026-12-07).
+    # 1.57x / 1.54x both times, the median within 0.05x of the CPU-per-step ratio
+    # (docs/performance.md, "Every built-in replay workload").
     "serving_dense": (8 * ROUNDS, lambda: workloads.serving(rounds=8 * ROUNDS, window_steps=100)),
     # serving on a hybrid model's KV cache groups as vLLM resolves them (full attention
     # + sliding window: docs/replay.md, "Model shapes"), POOL.num_blocks blocks, at the
