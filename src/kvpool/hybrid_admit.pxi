@@ -299,12 +299,23 @@ cdef int _adopt_hits(mgr, str request_id, hits, long long skip) except -1:
     """``SingleTypeKVCacheManager.add_local_computed_blocks`` (vLLM 0.34.0) for a
     request without blocks and a hit on a block boundary: the hit past the window's
     ``skip`` blocks touched (the pool's ``touch``), the table padded with ``skip`` null
-    blocks and extended with it, ``num_cached_block`` its length."""
+    blocks and extended with it, ``num_cached_block`` its length.
+
+    The table grows before the hit is touched (vLLM touches first; no code runs
+    between the two here): a MemoryError while it grows, or an exception from the
+    touch, leaves the table and the blocks as they were, where vLLM's order would keep
+    the touched blocks held by no table (tests/native/manager_fault.py)."""
     table = _request_table(mgr, request_id)
     kept = hits[skip:] if skip > 0 else hits
-    mgr.block_pool.touch(kept)
-    if skip > 0:
-        table.extend([mgr._null_block] * skip)
-    table.extend(kept)
+    cdef Py_ssize_t start = len(table)
+    try:
+        if skip > 0:
+            table.extend([mgr._null_block] * skip)
+        table.extend(kept)
+        mgr.block_pool.touch(kept)
+    except BaseException:
+        while len(table) > start:
+            table.pop()
+        raise
     mgr.num_cached_block[request_id] = len(table)
     return 0

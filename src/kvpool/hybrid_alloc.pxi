@@ -114,7 +114,9 @@ cdef int _remove_skipped(tuple managers, str request_id, list tables,
     (descending) order, as ``_remove_blocks_in_range`` does. The checks found the walks
     plain and the pool's free runs no code of another party (module comment); a table
     that changed all the same (a finalizer run by the garbage collector; none does in
-    vLLM) raises RuntimeError rather than free what the checks did not see."""
+    vLLM) raises RuntimeError rather than free what the checks did not see. An
+    exception while a group's walk is collected or freed puts its blocks back in
+    the table (the pool's free changes nothing when it raises)."""
     cdef Py_ssize_t i, j, end
     for i in range(len(managers)):
         if skips[i] == 0:
@@ -133,10 +135,19 @@ cdef int _remove_skipped(tuple managers, str request_id, list tables,
                                f"during allocate_slots")
         if end == skips[i] - 1:
             continue            # the walk's first block is already the null block
-        for j in range(skips[i] - 1, end, -1):
-            freed.append((<list>blocks)[j])
-            (<list>blocks)[j] = null_block
-        mgr.block_pool.free_blocks(freed)
+        try:
+            for j in range(skips[i] - 1, end, -1):
+                freed.append((<list>blocks)[j])
+                (<list>blocks)[j] = null_block
+            mgr.block_pool.free_blocks(freed)
+        except BaseException:
+            # A MemoryError growing freed, or from the pool's free (which then freed
+            # nothing: its first use of a longer list grows its scratch arrays): the
+            # blocks taken out of the table go back into it, where vLLM's walk would
+            # keep them held by no table (tests/native/manager_fault.py).
+            for j in range(len(freed)):
+                (<list>blocks)[skips[i] - 1 - j] = freed[j]
+            raise
     return 0
 
 

@@ -1063,7 +1063,13 @@ cdef object _extend_table(_AllocateSlotsFastPath fp, mgr, str request_id, long l
             _exit_table_context(state)
     else:
         new_blocks = pool.get_new_blocks(to_alloc)
-    table.extend(new_blocks)
+    try:
+        table.extend(new_blocks)
+    except BaseException:
+        # (a MemoryError: vLLM's allocate_new_blocks would keep the new blocks held by
+        # no table; they go back to the pool, without the hashes they were evicted of)
+        pool.free_blocks(new_blocks)
+        raise
     if mgr._record_new_block_ids:
         ids = []   # (built by hand: tests/repo/test_layout.py, no comprehensions)
         for b in new_blocks:

@@ -4,8 +4,10 @@ it was (issue 18; docs/native-checks.md, "Fault injection").
 tests/native/failmalloc.cpp, preloaded into a child interpreter, fails the k-th
 allocation of an operation once, for every k (malloc returns NULL, operator new
 throws); tests/native/fault_sweep.py runs each operation so and checks the pool
-after each failure. Under the sanitizer run (scripts/test-sanitizers.sh) the child
-keeps the ASan runtime, loaded after the shim.
+after each failure; deferred_fault.py and manager_fault.py do the same through a
+real vLLM Scheduler (its deferred free; kvpool's native allocate_slots). Under the
+sanitizer run (scripts/test-sanitizers.sh) the child keeps the ASan runtime, loaded
+after the shim.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ pytestmark = [pytest.mark.sanitizer, pytest.mark.debug, pytest.mark.slow]
 HERE = Path(__file__).parent
 SHIM = HERE / "failmalloc.cpp"
 DEFERRED = HERE / "deferred_fault.py"
+MANAGER = HERE / "manager_fault.py"
 SWEEP = HERE / "fault_sweep.py"
 #: Operations that allocate nothing at all (their sweep ends at k=0): the free and
 #: touch loops work in place.
@@ -122,3 +125,25 @@ def test_a_failed_allocation_in_the_schedulers_deferred_free_loses_no_block(fail
     last = done.stdout.strip().splitlines()[-1:] or ["(nothing)"]
     assert done.returncode == 0, f"rc {done.returncode} at {last[0]}\n{done.stderr[-4000:]}"
     assert last[0].startswith("OK ") and int(last[0].split(": ")[1].split()[0]) >= 5, done.stdout[-2000:]
+
+
+@pytest.mark.skipif(hasattr(sys, "gettotalrefcount"),
+                    reason="the armed call is Python code (CPython's debug build asserts there)")
+@pytest.mark.parametrize("scenarios", [
+    ("dense_running", "dense_running_contiguous", "hybrid_admission", "hybrid_admission_contiguous"),
+    ("hybrid_running", "hybrid_running_contiguous", "hybrid_window", "hybrid_window_contiguous"),
+], ids=["running-one-group-and-admission", "running-two-groups"])
+def test_a_failed_allocation_in_the_native_allocate_slots_loses_no_block(failmalloc, scenarios):
+    # kvpool's native allocate_slots under a real Scheduler, the k-th allocation inside
+    # one call failing for every k: before the undo paths, a failed table extend kept a
+    # touched prefix-cache hit or the new blocks held by no table, and a failed free of
+    # a sliding window's blocks kept them out of the table and out of the pool (as
+    # vLLM's own order would).
+    done = subprocess.run([sys.executable, str(MANAGER), *scenarios], env=child_env(failmalloc),
+                          capture_output=True, text=True, timeout=900)
+    last = done.stdout.strip().splitlines()[-1:] or ["(nothing)"]
+    assert done.returncode == 0, f"rc {done.returncode} at {last[0]}\n{done.stderr[-4000:]}"
+    swept = {line.split()[1].rstrip(":"): int(line.split(": ")[1].split()[0])
+             for line in done.stdout.splitlines() if line.startswith("OK ")}
+    assert sorted(swept) == sorted(scenarios), done.stdout[-2000:]
+    assert all(points >= 10 for points in swept.values()), swept

@@ -122,12 +122,13 @@ class ContiguousPolicy(AllocationPolicy):
         # On idle (only the null block held) no table is live, so no extent is either.
         # Runs after the free is done, so it never raises: without memory to reach the
         # queue (only after the pool replaced it) the extents wait for the next idle
-        # moment (they are preferences).
-        if pool._idle():
-            try:  # noqa: SIM105 (no object allocated to handle a MemoryError: fault-swept)
+        # moment (they are preferences). (_idle() reads counts the interpreter may
+        # have to allocate: inside the try too.)
+        try:  # noqa: SIM105 (no object allocated to handle a MemoryError: fault-swept)
+            if pool._idle():
                 self._release_all(self.queue_policy(pool))
-            except MemoryError:
-                pass
+        except MemoryError:
+            pass
 
     def end_table(self, pool: Any, manager: Any, request_id: str) -> None:
         # Runs after vLLM popped the table (its blocks are the caller's to free), so it

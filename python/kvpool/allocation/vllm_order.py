@@ -35,12 +35,13 @@ class VllmOrderRestoreOnIdle(VllmOrder):
     def after_free(self, pool: Any) -> None:
         # Runs after the free is done, so it never raises: a reorder that finds no
         # memory is skipped (the order is only a preference; the next idle moment
-        # tries again).
-        if pool._idle():
-            try:  # noqa: SIM105 (no object allocated to handle a MemoryError: fault-swept)
+        # tries again). (_idle() reads counts the interpreter may have to allocate:
+        # inside the try too.)
+        try:  # noqa: SIM105 (no object allocated to handle a MemoryError: fault-swept)
+            if pool._idle():
                 self.queue_policy(pool).rebuild_uncached_canonical()
-            except MemoryError:
-                pass
+        except MemoryError:
+            pass
 
 
 __all__ = ["VllmOrder", "VllmOrderRestoreOnIdle"]

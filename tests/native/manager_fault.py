@@ -1,0 +1,229 @@
+"""Fault injection through kvpool's native ``allocate_slots`` under a real vLLM
+Scheduler (run by tests/native/test_fault_injection.py in a child process, like
+fault_sweep.py).
+
+A scheduler runs a small workload (a request whose blocks get cached, two that hit
+its prefix, three long ones that evict) until a chosen ``allocate_slots`` call that
+kvpool answers natively and that allocates: a running request's step on one
+full-attention group (``manager.pxi``), and on full attention + sliding window a
+waiting request's first allocation with its prefix-cache hit (``hybrid_admit.pxi``)
+and a running request's step (``hybrid_alloc.pxi``), each under the default and the
+contiguous policy (``contiguous_take.pxi``). For every k the k-th allocation inside
+that call fails once. vLLM's own ``allocate_slots`` has no undo either, so the call
+may stop part-way; what must hold is the pool's side: no crash, a Python exception
+(MemoryError, or what vLLM's code the call runs made of it:
+its ``untracked_list`` raises ctypes' ArgumentError), the free list consistent, every block's ``ref_cnt`` the number of
+tables holding it (no block lost, none freed while a table holds it), and once every
+table is freed through vLLM's coordinator the whole pool free again.
+
+    python tests/native/manager_fault.py [SCENARIO ...]   # default: all
+
+(``KVPOOL_FAULT_KEEP_GOING=1``: report each failed check as a ``FAIL`` line and go on.)
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+MAX_K = int(os.environ.get("KVPOOL_FAULT_MAX_K", "5000"))
+from failmalloc_ctl import disarm, lib  # noqa: E402  (tests/native: the script's own folder)
+
+import kvpool  # noqa: E402
+from kvpool import _core  # noqa: E402
+
+NUM_BLOCKS = 300   # (above 257: the pool's counts are ints the interpreter allocates)
+PREFIX = list(range(1000, 1064))   # 4 full blocks of 16 tokens, shared
+
+
+def _counters() -> dict:
+    state = dict(_core.allocate_slots_fast_path_state())
+    state.update(_core.hybrid_running_step_state())
+    return state
+
+
+class Step:
+    """Drives one scheduler through the workload; ``arm`` = (call index, k): that
+    ``allocate_slots`` call runs with the k-th allocation inside it failing once."""
+
+    def __init__(self, hybrid: bool, arm: tuple[int, int] | None = None):
+        from tests.support.scheduler import make_request, make_scheduler
+        self.scheduler = make_scheduler(num_blocks=NUM_BLOCKS, enable_prefix_caching=True, hybrid=hybrid)
+        self.make_request = make_request
+        self.arm = arm
+        self.calls = []          # per allocate_slots call: (request id, first?, allocated?, native counters moved)
+        self.hit = 0
+        self.error = None
+        manager = self.scheduler.kv_cache_manager
+        self.manager = manager
+        real = manager.allocate_slots
+        step = self
+
+        def allocate_slots(request, *args, **kwargs):
+            index = len(step.calls)
+            first = not any(m.req_to_blocks.get(request.request_id)
+                            for m in manager.coordinator.single_type_managers)
+            free = manager.block_pool.get_num_free_blocks()
+            nulls = _nulls(manager, request.request_id)
+            before = _counters()
+            if step.arm is not None and step.arm[0] == index:
+                lib.kvpool_fault_arm(step.arm[1])
+                try:
+                    return real(request, *args, **kwargs)
+                finally:
+                    step.hit = disarm()
+                    step.calls.append((request.request_id, first, None, None))
+            result = real(request, *args, **kwargs)
+            after = _counters()
+            moved = tuple(sorted(k for k in ("fast_calls", "native_admissions", "native_changes",
+                                             "contiguous_takes") if after[k] != before[k]))
+            if _nulls(manager, request.request_id) > nulls:
+                moved += ("window_freed",)
+            step.calls.append((request.request_id, first,
+                               manager.block_pool.get_num_free_blocks() < free, moved))
+            return result
+
+        # (an instance attribute: the scheduler calls it; the native path reads the
+        # manager's class, which is unchanged)
+        self.scheduler.kv_cache_manager = _Proxy(manager, allocate_slots)
+
+    def run(self, steps: int = 24) -> None:
+        from tests.support.scheduler import runner_output
+        s = self.scheduler
+        add = {0: [("a", PREFIX + list(range(6)), 6)],
+               3: [("long", list(range(5000, 5000 + 1900)), 3)],
+               5: [("long2", list(range(9000, 9000 + 1900)), 3)],
+               7: [("long3", list(range(12000, 12000 + 1900)), 3)],
+               8: [("b", PREFIX + list(range(7000, 7010)), 20), ("c", PREFIX + list(range(8000, 8020)), 20)]}
+        for i in range(steps):
+            for rid, prompt, max_tokens in add.get(i, ()):
+                s.add_request(self.make_request(rid, prompt, max_tokens=max_tokens))
+            try:
+                out = s.schedule()
+            except Exception as exc:   # MemoryError, or what vLLM's code made of it
+                self.error = exc
+                return
+            s.update_from_output(out, runner_output(out))
+
+
+def _nulls(manager, request_id) -> int:
+    # null blocks in the request's tables: a sliding window's blocks freed
+    return sum(b.is_null for m in manager.coordinator.single_type_managers
+               for b in m.req_to_blocks.get(request_id, ()))
+
+
+class _Proxy:
+    def __init__(self, manager, allocate_slots):
+        object.__setattr__(self, "_manager", manager)
+        object.__setattr__(self, "allocate_slots", allocate_slots)
+
+    def __getattr__(self, name):
+        return getattr(self._manager, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._manager, name, value)
+
+
+def check(step: Step, label: str) -> None:
+    """The pool against the tables, then every table freed: the whole pool free."""
+    manager = step.manager
+    pool = manager.block_pool
+    pool.free_block_queue.check_invariants()
+    held = collections.Counter()
+    for mgr in manager.coordinator.single_type_managers:
+        for table in mgr.req_to_blocks.values():
+            for block in table:
+                if not block.is_null:
+                    held[block.block_id] += 1
+    free = set(b.block_id for b in pool.free_block_queue.get_all_free_blocks())
+    assert len(free) == pool.free_block_queue.num_free_blocks, f"{label}: free count"
+    for block in pool.blocks.materialized():
+        if block.is_null:
+            continue
+        n = held.get(block.block_id, 0)
+        assert block.ref_cnt == n, f"{label}: block {block.block_id} ref_cnt {block.ref_cnt}, {n} tables hold it"
+        assert (block.block_id in free) == (n == 0), (
+            f"{label}: block {block.block_id} free={block.block_id in free}, held {n}")
+    for rid in {r for m in manager.coordinator.single_type_managers for r in m.req_to_blocks}:
+        manager.coordinator.free(rid)
+    lost = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+    assert lost == 0, f"{label}: {lost} blocks not back in the pool after every table was freed"
+    pool.free_block_queue.check_invariants()
+
+
+#: scenario -> (hybrid, policy, which call: "running" / "first" / "window")
+SCENARIOS = {
+    "dense_running": (False, "vllm", "running"),
+    "dense_running_contiguous": (False, "contiguous", "running"),
+    "hybrid_admission": (True, "vllm", "first"),
+    "hybrid_admission_contiguous": (True, "contiguous", "first"),
+    "hybrid_running": (True, "vllm", "running"),
+    "hybrid_running_contiguous": (True, "contiguous", "running"),
+    "hybrid_window": (True, "vllm", "window"),
+    "hybrid_window_contiguous": (True, "contiguous", "window"),
+}
+
+
+def target(calls, hybrid: bool, kind: str) -> int:
+    """The index of the first native ``allocate_slots`` call of ``kind`` that allocated
+    (a first allocation: one that adopted a prefix-cache hit, a request of PREFIX's),
+    or for ``"window"`` a running step that freed blocks that left the sliding window."""
+    for index, (rid, first, allocated, moved) in enumerate(calls):
+        if kind == "window":
+            if not first and {"native_changes", "window_freed"} <= set(moved):
+                return index
+            continue
+        if not allocated or first != (kind == "first"):
+            continue
+        if kind == "first" and rid not in ("b", "c"):
+            continue
+        if hybrid and ("native_admissions" if kind == "first" else "native_changes") not in moved:
+            continue
+        if not hybrid and "fast_calls" not in moved:
+            continue
+        return index
+    raise AssertionError(f"no native {kind} allocation that allocates: {calls}")
+
+
+def sweep(name: str) -> int:
+    hybrid, policy, kind = SCENARIOS[name]
+    kvpool.uninstall()
+    kvpool.install(allocation=policy)
+    base = Step(hybrid)
+    evictions = _counters()["native_evictions"]
+    base.run()
+    assert base.error is None
+    assert _counters()["native_evictions"] > evictions, "the workload evicted nothing natively"
+    check(base, f"{name} unarmed")
+    index = target(base.calls, hybrid, kind)
+    for k in range(MAX_K):
+        print(f"{name} call={index} k={k}", flush=True)
+        step = Step(hybrid, arm=(index, k))
+        step.run()
+        assert step.error is None or step.hit, f"{name} k={k}: {step.error!r} without an injected failure"
+        where = "".join(traceback.format_tb(step.error.__traceback__)[-3:]) if step.error else ""
+        try:
+            check(step, f"{name} k={k} ({step.error!r} at\n{where})")
+        except AssertionError as exc:
+            if os.environ.get("KVPOOL_FAULT_KEEP_GOING"):
+                print("FAIL", exc, flush=True)
+            else:
+                raise
+        if not step.hit:
+            return k
+    raise AssertionError(f"{name}: still hitting allocations after {MAX_K} tries")
+
+
+def main(argv: list[str]) -> int:
+    for name in argv or list(SCENARIOS):
+        print(f"OK {name}: {sweep(name)} allocation points, each failing once", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
