@@ -4,17 +4,19 @@ fault_sweep.py).
 
 A scheduler runs a small workload (a request whose blocks get cached, two that hit
 its prefix, three long ones that evict) until a chosen ``allocate_slots`` call that
-kvpool answers natively and that allocates: a running request's step on one
+kvpool answers natively: a running request's step that allocates on one
 full-attention group (``manager.pxi``), and on full attention + sliding window a
-waiting request's first allocation with its prefix-cache hit (``hybrid_admit.pxi``)
-and a running request's step (``hybrid_alloc.pxi``), each under the default and the
-contiguous policy (``contiguous_take.pxi``). For every k the k-th allocation inside
-that call fails once. vLLM's own ``allocate_slots`` has no undo either, so the call
-may stop part-way; what must hold is the pool's side: no crash, a Python exception
-(MemoryError, or what vLLM's code the call runs made of it:
-its ``untracked_list`` raises ctypes' ArgumentError), the free list consistent, every block's ``ref_cnt`` the number of
-tables holding it (no block lost, none freed while a table holds it), and once every
-table is freed through vLLM's coordinator the whole pool free again.
+waiting request's first allocation with its prefix-cache hit (``hybrid_admit.pxi``),
+a running request's step that allocates and one that frees the blocks that left the
+window (``hybrid_alloc.pxi``), each under the default and the contiguous policy
+(``contiguous_take.pxi``). For every k the k-th allocation inside that call fails
+once. vLLM's own ``allocate_slots`` has no undo either, so the call may stop
+part-way; what must hold is the pool's side: no crash, a Python exception
+(MemoryError, or what vLLM's code the call runs made of it: its ``untracked_list``
+raises ctypes' ArgumentError), the free list consistent, every block's ``ref_cnt``
+the number of tables holding it (no block lost, none freed while a table holds it),
+every hashed block in the prefix-cache map under its hash and nothing else there,
+and once every table is freed through vLLM's coordinator the whole pool free again.
 
     python tests/native/manager_fault.py [SCENARIO ...]   # default: all
 
@@ -149,6 +151,14 @@ def check(step: Step, label: str) -> None:
         assert block.ref_cnt == n, f"{label}: block {block.block_id} ref_cnt {block.ref_cnt}, {n} tables hold it"
         assert (block.block_id in free) == (n == 0), (
             f"{label}: block {block.block_id} free={block.block_id in free}, held {n}")
+    # the prefix cache: every hashed block in the map under its hash, nothing else there
+    cache = pool.cached_block_hash_to_block
+    hashed = [b for b in pool.blocks.materialized() if b.block_hash is not None]
+    for block in hashed:
+        assert cache.contain(block.block_hash, block.block_id), (
+            f"{label}: block {block.block_id} has a hash the map does not hold")
+    entries = sum(len(v) if type(v) is dict else 1 for v in cache._cache.values())
+    assert entries == len(hashed), f"{label}: {entries} map entries for {len(hashed)} hashed blocks"
     for rid in {r for m in manager.coordinator.single_type_managers for r in m.req_to_blocks}:
         manager.coordinator.free(rid)
     lost = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
