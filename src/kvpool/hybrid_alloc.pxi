@@ -38,17 +38,21 @@ cdef bint _sliding_skip(mgr, long long processed, long long bs, Py_ssize_t n_tab
     return True
 
 
-cdef Py_ssize_t _removal_end(list blocks, long long n_skip, object null_block) except -3:
+cdef Py_ssize_t _removal_end(list blocks, long long n_skip, object null_block,
+                             object pool) except -3:
     """``_remove_blocks_in_range(request_id, 0, n_skip)``'s walk, read only: the index
     below which it stops (the last null block at or below ``n_skip - 1``, else -1), or
     -2 when a block it would compare with the null block is not one whose ``==`` is
     False without running Python code (kvpool's exact ``KVCacheBlock`` with an int id
-    other than the null block's: the dataclass equality compares ids first). The null
-    block itself: kvpool's exact ``KVCacheBlock`` with an int id (checked by the
-    caller)."""
+    other than the null block's: the dataclass equality compares ids first), or is not
+    ``pool``'s own (the pool's free would forward it to another pool, whose free could
+    raise after this pool's: :func:`_remove_skipped` puts the blocks back into the
+    table only when nothing was freed). The null block itself: kvpool's exact
+    ``KVCacheBlock`` with an int id (checked by the caller)."""
     cdef Py_ssize_t i
     cdef KVCacheBlock blk
     null_id = <object>(<KVCacheBlock>null_block)._block_id_o
+    owner = _block_owner(pool)
     if n_skip > len(blocks):
         return -2
     for i in range(n_skip - 1, -1, -1):
@@ -59,7 +63,7 @@ cdef Py_ssize_t _removal_end(list blocks, long long n_skip, object null_block) e
             return -2
         blk = <KVCacheBlock>b
         if blk._block_id_o is NULL or type(<object>blk._block_id_o) is not int \
-                or <object>blk._block_id_o == null_id:
+                or <object>blk._block_id_o == null_id or blk.pool is not owner:
             return -2
     return -1
 
@@ -98,7 +102,7 @@ cdef bint _hybrid_groups_ready(_HybridStep hp, tuple managers, str request_id,
                 if (type(null_block) is not KVCacheBlock
                         or (<KVCacheBlock>null_block)._block_id_o is NULL
                         or type(<object>(<KVCacheBlock>null_block)._block_id_o) is not int
-                        or _removal_end(<list>blocks, n_skip, null_block) == -2):
+                        or _removal_end(<list>blocks, n_skip, null_block, pool) == -2):
                     return False
         tables.append(blocks)
         sizes.push_back(bs)
@@ -129,7 +133,7 @@ cdef int _remove_skipped(tuple managers, str request_id, list tables,
                 or type(null_block) is not KVCacheBlock):
             end = -2
         else:
-            end = _removal_end(<list>blocks, skips[i], null_block)
+            end = _removal_end(<list>blocks, skips[i], null_block, mgr.block_pool)
         if end == -2:
             raise RuntimeError(f"kvpool: the block tables of request {request_id!r} changed "
                                f"during allocate_slots")

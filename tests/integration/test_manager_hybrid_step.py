@@ -416,6 +416,43 @@ def _watched(manager) -> None:
 
 
 @needs_known_release
+@pytest.mark.parametrize("foreign", [False, True], ids=["own-blocks", "a-block-of-another-pool"])
+def test_a_window_holding_a_block_of_another_pool_gives_vllms_step(foreign):
+    """The step that frees the block that left the sliding window, with that block one of
+    another pool (a plugin's or a test's table): the pool's free would forward it there,
+    after freeing its own, so the native step, which puts the blocks back into the table
+    when the free raises, hands it to vLLM's code (the control, the table's own block:
+    native); both give vLLM's outcome and states."""
+    from vllm.v1.request import RequestStatus
+
+    from kvpool.block_pool import BlockPool
+
+    kvpool.install()
+    results = []
+    for allocate_slots in (_vanilla_allocate_slots(), _core.kv_cache_manager_allocate_slots):
+        manager = _manager(200, 2, False, 3)
+        req = make_request("a", list(range(70)), max_tokens=100, block_size=BLOCK_SIZE)
+        assert allocate_slots(manager, req, 70) is not None
+        req.status, req.num_computed_tokens = RequestStatus.RUNNING, 70
+        req.append_output_token_ids(7)
+        other = BlockPool(8, True, BLOCK_SIZE)
+        if foreign:
+            table = manager.coordinator.single_type_managers[1].req_to_blocks["a"]
+            own, table[0] = table[0], other.get_new_blocks(1)[0]
+            manager.block_pool.free_blocks([own])
+        before = _core.hybrid_running_step_state()
+        outcome = _outcome(lambda: _summary(manager, allocate_slots(manager, req, 1)))
+        after = _core.hybrid_running_step_state()
+        if allocate_slots is _core.kv_cache_manager_allocate_slots:
+            native = after["native_changes"] - before["native_changes"]
+            assert native == (0 if foreign else 1)
+            assert after["vllm_steps"] - before["vllm_steps"] == (1 if foreign else 0)
+        results.append((outcome, _state(manager), other.get_num_free_blocks()))
+    assert results[0] == results[1]
+    assert results[0][2] == 7   # (the other pool's block was freed into it)
+
+
+@needs_known_release
 def test_a_pool_whose_calls_run_callbacks_keeps_vllms_changing_steps():
     counts = _run(min(2_000, NUM_OPS // 10), 300, 0, SEED + 13, windows=((40, 0),), setup=_watched)
     assert counts["vllm_steps"] > 0 and counts["native_changes"] == 0
