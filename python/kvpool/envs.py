@@ -195,6 +195,7 @@ SCRIPT_VARIABLES: dict[str, str] = {
     "KVPOOL_LEAK_SEED": "tests: seed of the leak check",
     "KVPOOL_FAILMALLOC": "tests: path of the failing-allocation shim the fault sweep loads",
     "KVPOOL_FAULT_MAX_K": "tests: the fault sweep's largest allocation index to fail (default 5000)",
+    "KVPOOL_FAULT_KEEP_GOING": "tests: manager_fault.py reports each failed check and goes on (any value)",
 }
 
 
