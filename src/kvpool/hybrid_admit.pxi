@@ -302,20 +302,25 @@ cdef int _adopt_hits(mgr, str request_id, hits, long long skip) except -1:
     blocks and extended with it, ``num_cached_block`` its length.
 
     The table grows before the hit is touched (vLLM touches first; no code runs
-    between the two here): a MemoryError while it grows, or an exception from the
-    touch, leaves the table and the blocks as they were, where vLLM's order would keep
-    the touched blocks held by no table (tests/native/manager_fault.py)."""
+    between the two here), and the touch is kvpool's ``BlockPool.touch`` (the pool's
+    own: ``_pool_runs_no_code``) in two parts, the native touch (all or nothing, no
+    Python frame between it and this code where a signal's exception could surface),
+    then the policy's ``after_change``: an exception while the table grows or from the
+    native touch leaves the table and the blocks as they were, where vLLM's order
+    would keep the touched blocks held by no table (tests/native/manager_fault.py)."""
     table = _request_table(mgr, request_id)
     kept = hits[skip:] if skip > 0 else hits
+    pool = mgr.block_pool
     cdef Py_ssize_t start = len(table)
     try:
         if skip > 0:
             table.extend([mgr._null_block] * skip)
         table.extend(kept)
-        mgr.block_pool.touch(kept)
+        pool_touch(pool.free_block_queue, kept)
     except BaseException:
         while len(table) > start:
             table.pop()
         raise
+    pool._policy.after_change(pool)
     mgr.num_cached_block[request_id] = len(table)
     return 0

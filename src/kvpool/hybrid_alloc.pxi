@@ -139,28 +139,42 @@ cdef int _remove_skipped(tuple managers, str request_id, list tables,
                                f"during allocate_slots")
         if end == skips[i] - 1:
             continue            # the walk's first block is already the null block
+        pool = mgr.block_pool
         try:
             for j in range(skips[i] - 1, end, -1):
                 freed.append((<list>blocks)[j])
                 (<list>blocks)[j] = null_block
-            mgr.block_pool.free_blocks(freed)
+            # kvpool's BlockPool.free_blocks (the pool's own: _pool_runs_no_code) in two
+            # parts: its native free, all or nothing and without a Python frame between
+            # it and this code where a signal's exception could surface, ...
+            others = pool_free_blocks(pool, pool.free_block_queue, freed, pool.enable_caching)
         except BaseException:
-            # A MemoryError growing freed, or from the pool's free (which then freed
+            # A MemoryError growing freed, or from the native free (which then freed
             # nothing: its first use of a longer list grows its scratch arrays): the
             # blocks taken out of the table go back into it, where vLLM's walk would
             # keep them held by no table (tests/native/manager_fault.py).
             for j in range(len(freed)):
                 (<list>blocks)[skips[i] - 1 - j] = freed[j]
             raise
+        # ... then what it does after its loop (the blocks are freed: nothing goes back)
+        if others:
+            for other, other_blocks in others.items():
+                other.free_blocks(other_blocks)
+        pool._policy.after_free(pool)
     return 0
 
 
 cdef bint _pool_runs_no_code(_HybridStep hp, pool) except -1:
     """The pool's ``free_blocks``, ``get_new_blocks`` and ``touch`` are kvpool's own (``hp``'s, on
-    its class and not set on the instance) and take kvpool's native loops: no reuse
-    watcher, metrics collector or patched method they call (``_needs_vllm_loop``)."""
+    its class and not set on the instance) and take kvpool's native loops: a pool
+    ``BlockPool.__init__`` built, with its kvpool queue, no reuse watcher, metrics
+    collector or patched method they call (``_needs_vllm_loop``). (The step calls the
+    native free and touch those methods run directly: :func:`_remove_skipped`,
+    :func:`_adopt_hits`.)"""
     cls = type(pool)
     return (hp.pool_free_blocks is not None
+            and getattr(pool, "_kvpool_init", False) is True
+            and type(getattr(pool, "free_block_queue", None)) is FreeKVCacheBlockQueue
             and getattr(cls, "free_blocks", None) is hp.pool_free_blocks
             and getattr(cls, "get_new_blocks", None) is hp.pool_get_new_blocks
             and getattr(cls, "_needs_vllm_loop", None) is hp.pool_needs_vllm_loop

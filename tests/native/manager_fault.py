@@ -18,7 +18,12 @@ the number of tables holding it (no block lost, none freed while a table holds i
 every hashed block in the prefix-cache map under its hash and nothing else there,
 and once every table is freed through vLLM's coordinator the whole pool free again.
 
-    python tests/native/manager_fault.py [SCENARIO ...]   # default: all
+    python tests/native/manager_fault.py [--interrupt] [SCENARIO ...]   # default: all
+
+``--interrupt``: instead of an allocation, a KeyboardInterrupt raised as the k-th Python
+function called inside that call starts (a signal's exception, as CPython delivers it):
+the pool's Python methods the native path calls run a policy hook after their native
+part, so an exception there comes after the change.
 
 (``KVPOOL_FAULT_KEEP_GOING=1``: report each failed check as a ``FAIL`` line and go on.)
 """
@@ -53,11 +58,12 @@ class Step:
     """Drives one scheduler through the workload; ``arm`` = (call index, k): that
     ``allocate_slots`` call runs with the k-th allocation inside it failing once."""
 
-    def __init__(self, hybrid: bool, arm: tuple[int, int] | None = None):
+    def __init__(self, hybrid: bool, arm: tuple[int, int] | None = None, interrupt: bool = False):
         from tests.support.scheduler import make_request, make_scheduler
         self.scheduler = make_scheduler(num_blocks=NUM_BLOCKS, enable_prefix_caching=True, hybrid=hybrid)
         self.make_request = make_request
         self.arm = arm
+        self.interrupt = interrupt   # arm: a KeyboardInterrupt at the k-th Python call instead
         self.calls = []          # per allocate_slots call: (request id, first?, allocated?, native counters moved)
         self.hit = 0
         self.error = None
@@ -70,16 +76,25 @@ class Step:
             index = len(step.calls)
             first = not any(m.req_to_blocks.get(request.request_id)
                             for m in manager.coordinator.single_type_managers)
+            # (a first allocation that adopts a prefix-cache hit: num_new_computed_tokens)
+            hit = (args[1] if len(args) > 1 else kwargs.get("num_new_computed_tokens", 0)) if first else 0
             free = manager.block_pool.get_num_free_blocks()
             nulls = _nulls(manager, request.request_id)
             before = _counters()
+            if step.arm is not None and step.arm[0] == index and step.interrupt:
+                sys.setprofile(_interrupt_at(step, step.arm[1]))
+                try:
+                    return real(request, *args, **kwargs)
+                finally:
+                    sys.setprofile(None)
+                    step.calls.append((request.request_id, first, None, None, hit))
             if step.arm is not None and step.arm[0] == index:
                 lib.kvpool_fault_arm(step.arm[1])
                 try:
                     return real(request, *args, **kwargs)
                 finally:
                     step.hit = disarm()
-                    step.calls.append((request.request_id, first, None, None))
+                    step.calls.append((request.request_id, first, None, None, hit))
             result = real(request, *args, **kwargs)
             after = _counters()
             moved = tuple(sorted(k for k in ("fast_calls", "native_admissions", "native_changes",
@@ -87,7 +102,7 @@ class Step:
             if _nulls(manager, request.request_id) > nulls:
                 moved += ("window_freed",)
             step.calls.append((request.request_id, first,
-                               manager.block_pool.get_num_free_blocks() < free, moved))
+                               manager.block_pool.get_num_free_blocks() < free, moved, hit))
             return result
 
         # (an instance attribute: the scheduler calls it; the native path reads the
@@ -107,10 +122,27 @@ class Step:
                 s.add_request(self.make_request(rid, prompt, max_tokens=max_tokens))
             try:
                 out = s.schedule()
-            except Exception as exc:   # MemoryError, or what vLLM's code made of it
+            except (Exception, KeyboardInterrupt) as exc:   # MemoryError, or what vLLM's code made of it
                 self.error = exc
                 return
             s.update_from_output(out, runner_output(out))
+
+
+def _interrupt_at(step: Step, k: int):
+    """A profile function raising KeyboardInterrupt as the k-th Python function called
+    is entered: where CPython delivers a signal's exception (its eval loop checks for
+    pending signals as a frame starts; kvpool's native code never does)."""
+    seen = [0]
+
+    def hook(frame, event, arg):
+        if event == "call":
+            if seen[0] == k:
+                step.hit = 1
+                raise KeyboardInterrupt
+            seen[0] += 1
+
+    step.hit = 0
+    return hook
 
 
 def _nulls(manager, request_id) -> int:
@@ -183,14 +215,14 @@ def target(calls, hybrid: bool, kind: str) -> int:
     """The index of the first native ``allocate_slots`` call of ``kind`` that allocated
     (a first allocation: one that adopted a prefix-cache hit, a request of PREFIX's),
     or for ``"window"`` a running step that freed blocks that left the sliding window."""
-    for index, (rid, first, allocated, moved) in enumerate(calls):
+    for index, (rid, first, allocated, moved, hit) in enumerate(calls):
         if kind == "window":
             if not first and {"native_changes", "window_freed"} <= set(moved):
                 return index
             continue
         if not allocated or first != (kind == "first"):
             continue
-        if kind == "first" and rid not in ("b", "c"):
+        if kind == "first" and (rid not in ("b", "c") or hit <= 0):
             continue
         if hybrid and ("native_admissions" if kind == "first" else "native_changes") not in moved:
             continue
@@ -200,7 +232,7 @@ def target(calls, hybrid: bool, kind: str) -> int:
     raise AssertionError(f"no native {kind} allocation that allocates: {calls}")
 
 
-def sweep(name: str) -> int:
+def sweep(name: str, interrupt: bool = False) -> int:
     hybrid, policy, kind = SCENARIOS[name]
     kvpool.uninstall()
     kvpool.install(allocation=policy)
@@ -213,7 +245,7 @@ def sweep(name: str) -> int:
     index = target(base.calls, hybrid, kind)
     for k in range(MAX_K):
         print(f"{name} call={index} k={k}", flush=True)
-        step = Step(hybrid, arm=(index, k))
+        step = Step(hybrid, arm=(index, k), interrupt=interrupt)
         step.run()
         assert step.error is None or step.hit, f"{name} k={k}: {step.error!r} without an injected failure"
         where = "".join(traceback.format_tb(step.error.__traceback__)[-3:]) if step.error else ""
@@ -230,8 +262,11 @@ def sweep(name: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    for name in argv or list(SCENARIOS):
-        print(f"OK {name}: {sweep(name)} allocation points, each failing once", flush=True)
+    interrupt = "--interrupt" in argv
+    names = [a for a in argv if a != "--interrupt"]
+    for name in names or list(SCENARIOS):
+        what = "Python calls, each interrupted once" if interrupt else "allocation points, each failing once"
+        print(f"OK {name}: {sweep(name, interrupt)} {what}", flush=True)
     return 0
 
 
