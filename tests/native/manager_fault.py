@@ -56,7 +56,9 @@ def _counters() -> dict:
 
 class Step:
     """Drives one scheduler through the workload; ``arm`` = (call index, k): that
-    ``allocate_slots`` call runs with the k-th allocation inside it failing once."""
+    ``allocate_slots`` call runs with the k-th allocation inside it failing once (with
+    ``interrupt``: a KeyboardInterrupt as the k-th Python function called inside it
+    starts)."""
 
     def __init__(self, hybrid: bool, arm: tuple[int, int] | None = None, interrupt: bool = False):
         from tests.support.scheduler import make_request, make_scheduler
@@ -64,7 +66,9 @@ class Step:
         self.make_request = make_request
         self.arm = arm
         self.interrupt = interrupt   # arm: a KeyboardInterrupt at the k-th Python call instead
-        self.calls = []          # per allocate_slots call: (request id, first?, allocated?, native counters moved)
+        # per allocate_slots call: (request id, first?, allocated?, native counters moved,
+        # num_new_computed_tokens of a first allocation); None, None for the armed call
+        self.calls = []
         self.hit = 0
         self.error = None
         manager = self.scheduler.kv_cache_manager
@@ -81,19 +85,12 @@ class Step:
             free = manager.block_pool.get_num_free_blocks()
             nulls = _nulls(manager, request.request_id)
             before = _counters()
-            if step.arm is not None and step.arm[0] == index and step.interrupt:
-                sys.setprofile(_interrupt_at(step, step.arm[1]))
-                try:
-                    return real(request, *args, **kwargs)
-                finally:
-                    sys.setprofile(None)
-                    step.calls.append((request.request_id, first, None, None, hit))
             if step.arm is not None and step.arm[0] == index:
-                lib.kvpool_fault_arm(step.arm[1])
+                step.start_fault()
                 try:
                     return real(request, *args, **kwargs)
                 finally:
-                    step.hit = disarm()
+                    step.stop_fault()
                     step.calls.append((request.request_id, first, None, None, hit))
             result = real(request, *args, **kwargs)
             after = _counters()
@@ -108,6 +105,19 @@ class Step:
         # (an instance attribute: the scheduler calls it; the native path reads the
         # manager's class, which is unchanged)
         self.scheduler.kv_cache_manager = _Proxy(manager, allocate_slots)
+
+    def start_fault(self) -> None:
+        if self.interrupt:
+            sys.setprofile(_interrupt_at(self, self.arm[1]))
+        else:
+            lib.kvpool_fault_arm(self.arm[1])
+
+    def stop_fault(self) -> None:
+        # (sets self.hit: the failure was injected; _interrupt_at's hook sets it itself)
+        if self.interrupt:
+            sys.setprofile(None)
+        else:
+            self.hit = disarm()
 
     def run(self, steps: int = 24) -> None:
         from tests.support.scheduler import runner_output

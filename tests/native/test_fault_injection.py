@@ -64,6 +64,21 @@ def run_sweep(shim: Path, *operations: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900)
 
 
+def run_manager_sweep(shim: Path, *args: str) -> dict[str, int]:
+    """Run manager_fault.py with ``args`` (scenario names, ``--interrupt``) in a child with
+    the shim: it must exit 0 having swept exactly the scenarios named; returns each one's
+    count of points (allocations or Python calls) swept."""
+    scenarios = [a for a in args if not a.startswith("--")]
+    done = subprocess.run([sys.executable, str(MANAGER), *args], env=child_env(shim),
+                          capture_output=True, text=True, timeout=900)
+    last = done.stdout.strip().splitlines()[-1:] or ["(nothing)"]
+    assert done.returncode == 0, f"rc {done.returncode} at {last[0]}\n{done.stderr[-4000:]}"
+    swept = {line.split()[1].rstrip(":"): int(line.split(": ")[1].split()[0])
+             for line in done.stdout.splitlines() if line.startswith("OK ")}
+    assert sorted(swept) == sorted(scenarios), done.stdout[-2000:]
+    return swept
+
+
 def test_the_shim_fails_exactly_the_armed_allocation(failmalloc):
     code = (
         f"import sys; sys.path.insert(0, {str(HERE)!r})\n"
@@ -139,13 +154,7 @@ def test_a_failed_allocation_in_the_native_allocate_slots_loses_no_block(failmal
     # touched prefix-cache hit or the new blocks held by no table, and a failed free of
     # a sliding window's blocks kept them out of the table and out of the pool (as
     # vLLM's own order would).
-    done = subprocess.run([sys.executable, str(MANAGER), *scenarios], env=child_env(failmalloc),
-                          capture_output=True, text=True, timeout=900)
-    last = done.stdout.strip().splitlines()[-1:] or ["(nothing)"]
-    assert done.returncode == 0, f"rc {done.returncode} at {last[0]}\n{done.stderr[-4000:]}"
-    swept = {line.split()[1].rstrip(":"): int(line.split(": ")[1].split()[0])
-             for line in done.stdout.splitlines() if line.startswith("OK ")}
-    assert sorted(swept) == sorted(scenarios), done.stdout[-2000:]
+    swept = run_manager_sweep(failmalloc, *scenarios)
     assert all(points >= 10 for points in swept.values()), swept
 
 
@@ -161,11 +170,5 @@ def test_a_signal_inside_the_native_allocate_slots_loses_no_block(failmalloc):
     # its blocks, and a hybrid admission caches a window's blocks through vLLM's Python.
     scenarios = ("dense_running_contiguous", "hybrid_running_contiguous", "hybrid_window",
                  "hybrid_window_contiguous")
-    done = subprocess.run([sys.executable, str(MANAGER), "--interrupt", *scenarios], env=child_env(failmalloc),
-                          capture_output=True, text=True, timeout=900)
-    last = done.stdout.strip().splitlines()[-1:] or ["(nothing)"]
-    assert done.returncode == 0, f"rc {done.returncode} at {last[0]}\n{done.stderr[-4000:]}"
-    swept = {line.split()[1].rstrip(":"): int(line.split(": ")[1].split()[0])
-             for line in done.stdout.splitlines() if line.startswith("OK ")}
-    assert sorted(swept) == sorted(scenarios), done.stdout[-2000:]
+    swept = run_manager_sweep(failmalloc, "--interrupt", *scenarios)
     assert all(calls >= 3 for calls in swept.values()), swept
