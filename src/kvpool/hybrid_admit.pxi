@@ -1,6 +1,7 @@
-# A waiting request's first allocation under vLLM's HybridKVCacheCoordinator
-# (kvpool.patches.hybrid_fast_path; included by _core.pyx after hybrid_alloc.pxi, whose
-# phases 3-5 it shares).
+# A waiting request's first allocation under vLLM's HybridKVCacheCoordinator, and under
+# UnitaryKVCacheCoordinator for a model of one full-attention group (both run
+# KVCacheCoordinator's allocation methods; kvpool.patches.hybrid_fast_path arms it;
+# included by _core.pyx after hybrid_alloc.pxi, whose phases 3-5 it shares).
 #
 # The scheduler admits a waiting request with one KVCacheManager.allocate_slots call
 # carrying its prefix-cache hit (new_computed_blocks, from get_computed_blocks) and,
@@ -69,12 +70,12 @@ cdef object _hybrid_admission(_AllocateSlotsFastPath fp, manager, request, num_n
                               delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit,
                               reserved_blocks, has_scheduled_reqs, tuple args, dict kwargs):
     """vLLM 0.34.0's ``KVCacheManager.allocate_slots`` for a waiting request's first
-    allocation on a model of full-attention and sliding-window groups: the result
-    vLLM's returns (``KVCacheBlocks`` of the groups' new blocks, the manager's empty one,
-    or None where the full-sequence count or the free count refuses the request); _VLLM
-    before any change for every other call (:func:`_admit_arguments`,
-    :func:`_eligible`, :func:`_admit_ready`). Exceptions of the pool's calls
-    propagate, as from vLLM's."""
+    allocation on a model of full-attention and sliding-window groups, or of one
+    full-attention group: the result vLLM's returns (``KVCacheBlocks`` of the groups'
+    new blocks, the manager's empty one, or None where the full-sequence count or the
+    free count refuses the request); _VLLM before any change for every other call
+    (:func:`_admit_arguments`, :func:`_admission_coordinator`, :func:`_admit_ready`).
+    Exceptions of the pool's calls propagate, as from vLLM's."""
     cdef _HybridStep hp = _hybrid
     cdef _Step s
     cdef _Admit a
@@ -87,7 +88,7 @@ cdef object _hybrid_admission(_AllocateSlotsFastPath fp, manager, request, num_n
                             reserved_blocks, has_scheduled_reqs, args, kwargs):
         return _VLLM
     try:
-        if _eligible(fp, fp.allocate_entry, manager, None) is not _HYBRID:
+        if not _admission_coordinator(fp, manager):
             return _VLLM
         ready = _admit_ready(hp, fp, manager, request, &s, &a, &t, new_computed_blocks,
                              has_scheduled_reqs is True, delay_cache_blocks is True,
@@ -102,13 +103,30 @@ cdef object _hybrid_admission(_AllocateSlotsFastPath fp, manager, request, num_n
                       delay_cache_blocks is True)
 
 
+cdef bint _admission_coordinator(_AllocateSlotsFastPath fp, manager) except -1:
+    """:func:`_eligible` accepts the call (``allocate_slots``' entry) and its coordinator
+    is ``HybridKVCacheCoordinator`` or, for a model of one full-attention group,
+    ``UnitaryKVCacheCoordinator``: both run ``KVCacheCoordinator``'s
+    ``get_num_blocks_to_allocate``, ``remove_skipped_blocks``,
+    ``allocate_new_computed_blocks`` and ``allocate_new_blocks`` (vLLM 0.34.0), which a
+    first allocation mirrors group by group; the coordinators' ``cache_blocks`` differ
+    and are called, not mirrored. ``KVCacheCoordinatorNoPrefixCache`` (no prefix hit to
+    adopt, nothing cached) is vLLM's. AttributeError propagates."""
+    eligible = _eligible(fp, fp.allocate_entry, manager, None)
+    if eligible is _HYBRID:
+        return True
+    return (eligible is not None and eligible is not _CACHING_OFF
+            and type(manager.coordinator) is fp.coordinator_cls)
+
+
 cdef tuple _admit_ready(_HybridStep hp, _AllocateSlotsFastPath fp, manager, request, _Step* s,
                         _Admit* a, _HybridTokens* t, new_computed_blocks, bint has_scheduled_reqs,
                         bint delay_cache_blocks, vector[_AdmitGroup]& groups,
                         long long* free_blocks):
     """The checks of :func:`_hybrid_admission`, read only: the hybrid step's prelude
     (:func:`_hybrid_step_prelude`: classes, coordinator, request numbers) on a
-    ``HybridKVCacheCoordinator`` without Mamba groups, no group retaining a longer hit,
+    ``HybridKVCacheCoordinator`` without Mamba groups or a ``UnitaryKVCacheCoordinator``
+    (:func:`_admission_coordinator`), no group retaining a longer hit,
     ``new_computed_blocks`` None or of vLLM's ``KVCacheBlocks`` class with one list per
     group, the pool's free count read natively and its calls kvpool's
     (:func:`_pool_runs_no_code`), every group ready (:func:`_admit_group_ready`).

@@ -212,6 +212,8 @@ def check(step: Step, label: str) -> None:
 SCENARIOS = {
     "dense_running": (False, "vllm", "running"),
     "dense_running_contiguous": (False, "contiguous", "running"),
+    "dense_admission": (False, "vllm", "first"),
+    "dense_admission_contiguous": (False, "contiguous", "first"),
     "hybrid_admission": (True, "vllm", "first"),
     "hybrid_admission_contiguous": (True, "contiguous", "first"),
     "hybrid_running": (True, "vllm", "running"),
@@ -234,9 +236,9 @@ def target(calls, hybrid: bool, kind: str) -> int:
             continue
         if kind == "first" and (rid not in ("b", "c") or hit <= 0):
             continue
-        if hybrid and ("native_admissions" if kind == "first" else "native_changes") not in moved:
-            continue
-        if not hybrid and "fast_calls" not in moved:
+        # (a first allocation: hybrid_admit.pxi's, on either coordinator)
+        native = "native_admissions" if kind == "first" else "native_changes" if hybrid else "fast_calls"
+        if native not in moved:
             continue
         return index
     raise AssertionError(f"no native {kind} allocation that allocates: {calls}")

@@ -145,9 +145,10 @@ def test_a_failed_allocation_in_the_schedulers_deferred_free_loses_no_block(fail
 @pytest.mark.skipif(hasattr(sys, "gettotalrefcount"),
                     reason="the armed call is Python code (CPython's debug build asserts there)")
 @pytest.mark.parametrize("scenarios", [
-    ("dense_running", "dense_running_contiguous", "hybrid_admission", "hybrid_admission_contiguous"),
+    ("dense_running", "dense_running_contiguous", "dense_admission", "dense_admission_contiguous"),
+    ("hybrid_admission", "hybrid_admission_contiguous"),
     ("hybrid_running", "hybrid_running_contiguous", "hybrid_window", "hybrid_window_contiguous"),
-], ids=["running-one-group-and-admission", "running-two-groups"])
+], ids=["one-group", "admission-two-groups", "running-two-groups"])
 def test_a_failed_allocation_in_the_native_allocate_slots_loses_no_block(failmalloc, scenarios):
     # kvpool's native allocate_slots under a real Scheduler, the k-th allocation inside
     # one call failing for every k: before the undo paths, a failed table extend kept a
@@ -164,11 +165,14 @@ def test_a_signal_inside_the_native_allocate_slots_loses_no_block(failmalloc):
     # (where CPython delivers a signal's exception): the pool's free_blocks and touch run a
     # policy hook after their native loop, so the native step calls the loops itself and
     # the hook after them; when it called the methods, an interrupt entering after_free
-    # put freed blocks back into the sliding window's table (k = 4). The scenarios kept
-    # out still lose blocks where vLLM's order does too (docs/native-checks.md): the
-    # default policy's BlockPool.get_new_blocks runs after_change before the table takes
-    # its blocks, and a hybrid admission caches a window's blocks through vLLM's Python.
-    scenarios = ("dense_running_contiguous", "hybrid_running_contiguous", "hybrid_window",
-                 "hybrid_window_contiguous")
+    # put freed blocks back into the sliding window's table (k = 4); likewise an allocation
+    # of the default policy called BlockPool.get_new_blocks, whose after_change runs
+    # before the table takes the blocks (dense_running k = 1, hybrid_running k = 4). The
+    # scenarios kept out still lose blocks where vLLM's order does too
+    # (docs/native-checks.md): a hybrid admission caches a window's blocks through vLLM's
+    # Python.
+    scenarios = ("dense_running", "dense_running_contiguous", "dense_admission",
+                 "dense_admission_contiguous", "hybrid_running", "hybrid_running_contiguous",
+                 "hybrid_window", "hybrid_window_contiguous")
     swept = run_manager_sweep(failmalloc, "--interrupt", *scenarios)
     assert all(calls >= 3 for calls in swept.values()), swept

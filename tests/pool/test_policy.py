@@ -196,7 +196,9 @@ def _frames_between_manager_and_native_call(policy: str, monkeypatch) -> list[st
     """``module:function`` of every kvpool frame between vLLM's
     ``KVCacheManager.allocate_slots`` and kvpool's native allocation loop (outermost
     first), for one request scheduled through vLLM's Scheduler with
-    ``allocation=policy``."""
+    ``allocation=policy`` and vLLM's own ``allocate_slots`` (``KVPOOL_PYTHON_MANAGER=1``:
+    the native manager path, which allocates for every call of this request on vLLM
+    0.34.0, its admission included, is covered by tests/integration)."""
     import sys
 
     from kvpool import block_pool as kp
@@ -217,6 +219,7 @@ def _frames_between_manager_and_native_call(policy: str, monkeypatch) -> list[st
         return native(*args, **kwargs)
 
     monkeypatch.setattr(kp, "pool_get_new_blocks", spy)
+    monkeypatch.setenv("KVPOOL_PYTHON_MANAGER", "1")
     kvpool.install(allocation=policy)
     try:
         scheduler = make_scheduler(num_blocks=64)
