@@ -238,6 +238,8 @@ def configure_hybrid_running_step(
     spec_group_cls: type | None = None,
     table_factory: Callable[[], list] | None = None,
     contiguous: tuple[Any, ...] | None = None,
+    policy_hooks: Iterable[tuple[type, Any, Any]] = (),
+    policy_noop_change: Any = None,
 ) -> None: ...
 def hybrid_running_step_state() -> dict[str, Any]: ...
 def configure_prefix_lookup(

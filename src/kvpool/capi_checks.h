@@ -95,4 +95,5 @@ CAPI_CHECK_FUNCTION(kvpool_type_tag, unsigned int, (PyObject*));
 /* manager.pxi, its second cdef extern from * (verbatim block) */
 CAPI_CHECK_FUNCTION(kvpool_names_version, uint64_t, (PyObject*));
 CAPI_CHECK_FUNCTION(kvpool_names_absent_known, int, (PyObject*, PyObject*));
+CAPI_CHECK_FUNCTION(kvpool_str_keys_only, int, (PyObject*));
 CAPI_CHECK_FUNCTION(kvpool_names_absent_store, void, (PyObject*, PyObject*, uint64_t));

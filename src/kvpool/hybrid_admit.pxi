@@ -128,8 +128,8 @@ cdef tuple _admit_ready(_HybridStep hp, _AllocateSlotsFastPath fp, manager, requ
     ``HybridKVCacheCoordinator`` without Mamba groups or a ``UnitaryKVCacheCoordinator``
     (:func:`_admission_coordinator`), no group retaining a longer hit,
     ``new_computed_blocks`` None or of vLLM's ``KVCacheBlocks`` class with one list per
-    group, the pool's free count read natively and its calls kvpool's
-    (:func:`_pool_runs_no_code`), every group ready (:func:`_admit_group_ready`).
+    group, the pool's calls kvpool's (:func:`_pool_runs_no_code`), every group ready
+    (:func:`_admit_group_ready`), then the pool's free count read natively.
     Returns ``(managers, request_id, hits)`` with the token counts in ``t`` / ``a``;
     None when vLLM's ``allocate_slots`` runs the call. AttributeError propagates."""
     cdef Py_ssize_t i
@@ -153,7 +153,7 @@ cdef tuple _admit_ready(_HybridStep hp, _AllocateSlotsFastPath fp, manager, requ
     # (vLLM's test: the hit is not the manager's empty KVCacheBlocks' own tuple)
     a.adopt = hits is not empty_blocks
     pool = manager.block_pool
-    if not _native_free_count(fp, pool, free_blocks) or not _pool_runs_no_code(hp, pool):
+    if not _pool_runs_no_code(hp, pool):
         return None
     a.local = s.computed + a.hit
     a.total = a.local if a.local < s.max_len else s.max_len
@@ -167,6 +167,9 @@ cdef tuple _admit_ready(_HybridStep hp, _AllocateSlotsFastPath fp, manager, requ
                                   (<tuple>empty_blocks)[i], (<tuple>hits)[i], pool, a, t, &g):
             return None
         groups.push_back(g)
+    # (after the request's look-ups, as vLLM's get_num_free_blocks comes after them)
+    if not _native_free_count(fp, pool, free_blocks):
+        return None
     return (managers, request_id, hits)
 
 
@@ -177,7 +180,8 @@ cdef bint _admit_group_ready(_HybridStep hp, mgr, str request_id, empty_list, hi
     positive int ``block_size``, caching on, the pool's, plain ``new_block_ids``
     bookkeeping; ``req_to_blocks`` a ``defaultdict`` of vLLM's factory
     (``_HybridStep.table_factory``) with no block of the request,
-    which has no ``num_cached_block`` / ``_partial_hit_reqs`` entry; the group's hit a
+    which has no ``num_cached_block`` / ``_partial_hit_reqs`` entry, the three dicts' keys
+    all exact strs (``kvpool_str_keys_only``); the group's hit a
     list of kvpool blocks (:func:`_evictable_hits`; or an empty tuple) that ends on a block boundary (else
     the copy-on-write tail: vLLM's); the window's numbers exact ints. Fills ``g``;
     False: vLLM's code runs the call."""
@@ -200,6 +204,12 @@ cdef bint _admit_group_ready(_HybridStep hp, mgr, str request_id, empty_list, hi
             or type(num_cached_block) is not dict or type(partial) is not dict
             or not (type(empty_list) is tuple or type(empty_list) is list) or len(empty_list) != 0
             or not (type(hits) is list or (type(hits) is tuple and len(<tuple>hits) == 0))):
+        return False
+    # (every key an exact str: the look-ups below and vLLM's, of which it makes more, run
+    # no Python code; a key whose __eq__ changes what is read next is vLLM's to call)
+    if (not kvpool_str_keys_only(<PyObject*>req_to_blocks)
+            or not kvpool_str_keys_only(<PyObject*>num_cached_block)
+            or not kvpool_str_keys_only(<PyObject*>partial)):
         return False
     table = (<dict>req_to_blocks).get(request_id)
     if ((table is not None and (type(table) is not list or len(<list>table) != 0))

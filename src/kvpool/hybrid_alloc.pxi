@@ -180,10 +180,27 @@ cdef bint _pool_runs_no_code(_HybridStep hp, pool) except -1:
             and getattr(cls, "_needs_vllm_loop", None) is hp.pool_needs_vllm_loop
             and getattr(cls, "touch", None) is hp.pool_touch
             and _not_overridden(pool, _POOL_STEP_NAMES)
-            and pool._needs_vllm_loop() is False)
+            and pool._needs_vllm_loop() is False
+            and _policy_hooks_own(hp, pool._policy))
 
 
 cdef tuple _POOL_STEP_NAMES = ("free_blocks", "get_new_blocks", "_needs_vllm_loop", "touch")
+cdef tuple _POLICY_HOOK_NAMES = ("after_change", "after_free")
+
+
+cdef bint _policy_hooks_own(_HybridStep hp, policy) except -1:
+    """``policy`` is of one of kvpool's policy classes whose ``after_change`` and
+    ``after_free`` are kvpool's (``hp.policy_hooks``), not set on the instance: the hooks
+    the steps run after the pool's native loops, in another place than the pool's methods
+    run them (after the table changed), are code that reads no table. A hook patched
+    after install keeps vLLM's call, which runs it where the pool's method does."""
+    cls = type(policy)
+    for hooks in hp.policy_hooks:
+        if (<tuple>hooks)[0] is cls:
+            return (getattr(cls, "after_change", None) is (<tuple>hooks)[1]
+                    and getattr(cls, "after_free", None) is (<tuple>hooks)[2]
+                    and _not_overridden(policy, _POLICY_HOOK_NAMES))
+    return False
 
 
 cdef tuple _hybrid_changes_ready(_HybridStep hp, _AllocateSlotsFastPath fp, manager, request,

@@ -41,6 +41,8 @@ cdef class _HybridStep:
     cdef public object pool_free_blocks, pool_get_new_blocks, pool_needs_vllm_loop   # kvpool's BlockPool's
     cdef public object pool_touch
     cdef public object table_factory   # the managers' req_to_blocks default_factory (vLLM's untracked_list)
+    cdef public tuple policy_hooks     # ((policy class, after_change, after_free), ...): kvpool's
+    cdef public object policy_noop_change   # AllocationPolicy.after_change (does nothing)
 
     def __init__(self):
         self.enabled = False
@@ -56,6 +58,8 @@ cdef class _HybridStep:
         self.native_admissions = self.vllm_admissions = 0
         self.pool_free_blocks = self.pool_get_new_blocks = self.pool_needs_vllm_loop = None
         self.pool_touch = self.table_factory = None
+        self.policy_hooks = ()
+        self.policy_noop_change = None
 
     cdef bint classes_unchanged(self):
         """The hybrid coordinator's, the managers' and their specs' classes (Mamba's and
@@ -120,7 +124,8 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
                                   class_checks, coordinator_names, single_type_names,
                                   step_globals=(), mamba_cls=None, mamba_spec_cls=None,
                                   mamba_names=(), pool_methods=None, no_prefix_cls=None,
-                                  spec_group_cls=None, table_factory=None, contiguous=None):
+                                  spec_group_cls=None, table_factory=None, contiguous=None,
+                                  policy_hooks=(), policy_noop_change=None):
     """Arm the hybrid running step of :func:`kv_cache_manager_allocate_slots` (called by
     ``kvpool.patches.hybrid_fast_path`` after the native allocate_slots is configured;
     ``disable_allocate_slots_fast_path`` disarms both).
@@ -153,7 +158,13 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
     ``(ContiguousPolicy, ContiguousPolicy.extend_table, ContiguousPolicy.after_change,
     AllocationPolicy.queue_policy, ContiguousPolicy.expect_tokens, BlockPool._take)``,
     which the native manager path's allocations under ``allocation="contiguous"`` run
-    natively while they are those (``contiguous_take.pxi``); None: through the pool."""
+    natively while they are those (``contiguous_take.pxi``); None: through the pool.
+    ``policy_hooks``: ``(policy class, after_change, after_free)`` of kvpool's allocation
+    policies, the hooks the steps call after the pool's native loops
+    (:func:`_pool_runs_no_code` requires a pool's policy to be one of those classes with
+    those functions, not set on the instance; empty: the steps that free and allocate
+    stay vLLM's); ``policy_noop_change``: ``AllocationPolicy.after_change``, which does
+    nothing (an allocation of the default policy then runs no hook)."""
     if (mamba_cls is None) != (mamba_spec_cls is None):
         raise ValueError("mamba_cls and mamba_spec_cls go together")
     _hybrid.enabled = False
@@ -174,6 +185,8 @@ def configure_hybrid_running_step(*, coordinator_cls, full_attention_cls, slidin
     _hybrid.no_prefix_cls = no_prefix_cls
     _hybrid.spec_group_cls = spec_group_cls
     _hybrid.table_factory = table_factory
+    _hybrid.policy_hooks = tuple(tuple(hooks) for hooks in policy_hooks)
+    _hybrid.policy_noop_change = policy_noop_change
     _configure_contiguous_take(contiguous)
     _hybrid.n_classes = (5 if mamba_cls is None else 7) + (no_prefix_cls is not None)
     _hybrid.step_globals = tuple(step_globals)

@@ -107,7 +107,18 @@ cdef extern from *:
         (void)d; (void)names; (void)version;
     #endif
     }
+    /* 1: every key of dict d is an exact str, so a look-up of an exact str in it runs no
+     * Python code (PyDict_Next runs none either). */
+    static int kvpool_str_keys_only(PyObject* d) {
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(d, &pos, &key, &value)) {
+            if (!PyUnicode_CheckExact(key)) return 0;
+        }
+        return 1;
+    }
     """
+    bint kvpool_str_keys_only(PyObject* d)
     uint64_t kvpool_names_version(PyObject* d)
     bint kvpool_names_absent_known(PyObject* d, PyObject* names)
     void kvpool_names_absent_store(PyObject* d, PyObject* names, uint64_t version)
@@ -1051,7 +1062,6 @@ cdef object _extend_table(_AllocateSlotsFastPath fp, mgr, str request_id, long l
             and type(table) is list and _pool_runs_no_code(_hybrid, pool)):
         # kvpool's contiguous policy, natively (contiguous_take.pxi)
         new_blocks = _contiguous_take(pool, mgr, request_id, <list>table, to_alloc)
-    cdef bint hook = False
     if new_blocks is not None:
         pass
     elif fp.manager_hooks and getattr(pool, "_kvpool_init", False):
@@ -1063,14 +1073,13 @@ cdef object _extend_table(_AllocateSlotsFastPath fp, mgr, str request_id, long l
         finally:
             _exit_table_context(state)
     elif _default_take_native(fp, pool, table):
-        # kvpool's BlockPool.get_new_blocks without its Python frame: the native loop
-        # here, the policy's after_change once the table holds the blocks (the method
-        # runs it before: an exception entering it, a signal's, left the blocks held
-        # by no table)
+        # kvpool's BlockPool.get_new_blocks without its Python frames: the native loop,
+        # and no hook (the default policies' after_change does nothing; run by the
+        # method, between the loop and the table's extend, an exception entering it, a
+        # signal's, left the blocks held by no table)
         new_blocks = pool_get_new_blocks(pool.free_block_queue, to_alloc, pool.enable_caching,
                                          pool.cached_block_hashes_by_block,
                                          pool._maybe_evict_cached_block, pool=pool)
-        hook = True
     else:
         new_blocks = pool.get_new_blocks(to_alloc)
     try:
@@ -1080,8 +1089,6 @@ cdef object _extend_table(_AllocateSlotsFastPath fp, mgr, str request_id, long l
         # no table; they go back to the pool, without the hashes they were evicted of)
         pool.free_blocks(new_blocks)
         raise
-    if hook:
-        pool._policy.after_change(pool)
     if mgr._record_new_block_ids:
         ids = []   # (built by hand: tests/repo/test_layout.py, no comprehensions)
         for b in new_blocks:
@@ -1093,12 +1100,16 @@ cdef object _extend_table(_AllocateSlotsFastPath fp, mgr, str request_id, long l
 cdef bint _default_take_native(_AllocateSlotsFastPath fp, pool, table) except -1:
     """An allocation of :func:`_extend_table` may call kvpool's native loop itself, as
     kvpool's ``BlockPool.get_new_blocks`` would: the pool kvpool's exact class, its
-    calls running no code of another party (:func:`_pool_runs_no_code`: armed with the
-    hybrid step, vLLM 0.34.0), no table context set and a policy that needs no table
-    (kvpool's default), the table a list."""
-    return (not fp.manager_hooks and type(pool) is fp.pool_cls and type(table) is list
-            and _pool_runs_no_code(_hybrid, pool) and pool._table_context is None
-            and pool._policy.manager_hooks is False)
+    calls and its policy's hooks kvpool's own (:func:`_pool_runs_no_code`: armed with
+    the hybrid step, vLLM 0.34.0), no table context set, a policy that needs no table
+    and whose ``after_change`` does nothing (kvpool's default policies), the table a
+    list."""
+    if (fp.manager_hooks or type(pool) is not fp.pool_cls or type(table) is not list
+            or not _pool_runs_no_code(_hybrid, pool) or pool._table_context is not None):
+        return False
+    policy = pool._policy
+    return (type(policy).manager_hooks is False
+            and getattr(type(policy), "after_change", None) is _hybrid.policy_noop_change)
 
 
 cdef int _cache_after_step(_AllocateSlotsFastPath fp, coordinator, mgr, request,

@@ -120,3 +120,96 @@ def test_a_patched_admission_method_gives_vllms_admission(monkeypatch, where):
     assert seen == [name], "vLLM's code did not run the patched method"
     assert after["native_admissions"] == before["native_admissions"]
     assert _state(manager) == reference_state
+
+
+@needs_known_release
+@pytest.mark.parametrize("num_groups", [1, 2], ids=["full-attention", "full-and-sliding-window"])
+@pytest.mark.parametrize("change", ["drain the pool", "max_model_len", "nothing"])
+def test_a_key_whose_eq_runs_code_gives_vllms_admission(num_groups, change):
+    """A key in the full-attention group's ``num_cached_block`` whose hash is the admitted
+    request's and whose ``__eq__`` runs code (found by an adversarial run): vLLM's
+    ``allocate_slots`` looks the request up more often than the native admission would
+    (its two ``get_num_blocks_to_allocate``) and reads the free count and
+    ``max_model_len`` after some of those look-ups, so a key that takes the pool's free
+    blocks made the native admission adopt the hit and then raise where vLLM's refuses,
+    and one that lowers ``max_model_len`` made it allocate a block more. A dict with a key
+    that is not an exact str gives vLLM's call: same outcome, same state, as many
+    ``__eq__`` calls."""
+    from vllm.v1.request import RequestStatus
+
+    kvpool.install()
+    outcomes = []
+    for allocate_slots in (_vanilla_allocate_slots(), _core.kv_cache_manager_allocate_slots):
+        manager = _manager(200, num_groups, False, 3)
+        full = manager.coordinator.single_type_managers[0]
+        a = make_request("a", list(range(64)), max_tokens=10, block_size=BLOCK_SIZE)
+        assert _admit(allocate_slots, manager, a)[1] is not None
+        a.status, a.num_computed_tokens = RequestStatus.RUNNING, 64
+        calls = []
+
+        class Key:
+            def __hash__(self):
+                return hash("b")
+
+            def __eq__(self, other):
+                calls.append(other)
+                if change == "drain the pool" and len(calls) == 1:
+                    pool = manager.block_pool
+                    calls.append(pool.get_new_blocks(pool.get_num_free_blocks() - 1))
+                elif change == "max_model_len":
+                    manager.max_model_len = 50
+                return False
+
+        full.num_cached_block[Key()] = 0
+        b = make_request("b", list(range(48)) + [9_000 + i for i in range(30)], max_tokens=10,
+                         block_size=BLOCK_SIZE)
+        before = _core.hybrid_running_step_state()["native_admissions"]
+        try:
+            outcome = _admit(allocate_slots, manager, b)
+        except Exception as exc:   # (the native admission raised ValueError before the fix)
+            outcome = (type(exc).__name__, str(exc))
+        assert _core.hybrid_running_step_state()["native_admissions"] == before
+        refs = [manager.block_pool.blocks[i].ref_cnt for i in range(1, 5)]
+        del full.num_cached_block[next(k for k in full.num_cached_block if type(k) is Key)]
+        outcomes.append((outcome, len(calls), refs, _state(manager)))
+    assert outcomes[0] == outcomes[1]
+
+
+@needs_known_release
+@pytest.mark.parametrize("hook", ["records", "raises"])
+def test_a_policy_hook_patched_after_install_runs_where_vllms_call_runs_it(monkeypatch, hook):
+    """The default policy's ``after_change`` patched on its class after install (code
+    the pool's ``get_new_blocks`` runs after its loop): the native step, which calls the
+    loop itself and no hook, hands the allocation to the pool's method, so the hook
+    sees the table as vLLM's call shows it (before it grows) and, raising, leaves what
+    vLLM's leaves (found by an adversarial run: the native step ran it after the table
+    grew, and raising there left the new blocks in the table without their zeroing ids)."""
+    from vllm.v1.request import RequestStatus
+
+    from kvpool.allocation.vllm_order import VllmOrder
+
+    kvpool.install()
+    outcomes = []
+    for allocate_slots in (_vanilla_allocate_slots(), _core.kv_cache_manager_allocate_slots):
+        manager = _manager(200, 1, False, 3)
+        full = manager.coordinator.single_type_managers[0]
+        a = make_request("a", list(range(64)), max_tokens=10, block_size=BLOCK_SIZE)
+        assert _admit(allocate_slots, manager, a)[1] is not None
+        a.status, a.num_computed_tokens = RequestStatus.RUNNING, 64
+        a.append_output_token_ids(5)
+        seen = []
+
+        def after_change(self, pool):
+            seen.append({rid: len(table) for rid, table in full.req_to_blocks.items()})
+            if hook == "raises":
+                raise RuntimeError("hook failed")
+
+        with monkeypatch.context() as m:
+            m.setattr(VllmOrder, "after_change", after_change, raising=False)
+            try:   # (a running step that allocates 2 blocks)
+                outcome = _summary(manager, allocate_slots(manager, a, 1, num_lookahead_tokens=20))
+            except RuntimeError as exc:
+                outcome = str(exc)
+        outcomes.append((outcome, seen, _state(manager)))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][1] == [{"a": 4}]

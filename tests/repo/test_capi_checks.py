@@ -136,12 +136,13 @@ def test_pylong_as_long_long_is_cpythons_own_declaration():
 ])
 def test_a_wrong_declaration_fails_the_compile(tmp_path, line, fails):
     source = tmp_path / "check.cpp"
-    # kvpool_type_tag and the kvpool_names_* functions come from manager.pxi's verbatim
-    # blocks in the real build.
+    # kvpool_type_tag, kvpool_str_keys_only and the kvpool_names_* functions come from
+    # manager.pxi's verbatim blocks in the real build.
     source.write_text('#include "fastint.h"\n#include <stdint.h>\n'
                       "static unsigned int kvpool_type_tag(PyObject*) { return 0; }\n"
                       "static uint64_t kvpool_names_version(PyObject*) { return 0; }\n"
                       "static int kvpool_names_absent_known(PyObject*, PyObject*) { return 0; }\n"
+                      "static int kvpool_str_keys_only(PyObject*) { return 1; }\n"
                       "static void kvpool_names_absent_store(PyObject*, PyObject*, uint64_t) {}\n"
                       '#include "capi_checks.h"\n' + line + "\nint main() { return 0; }\n")
     result = subprocess.run(

@@ -29,6 +29,8 @@ The interface every policy implements is :class:`~kvpool.allocation.base.Allocat
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvpool import envs
 from kvpool.allocation.base import AllocationPolicy
 from kvpool.allocation.contiguous import EXTENT_CAP_FRACTION, ContiguousPolicy
@@ -133,6 +135,14 @@ def new_policy(num_gpu_blocks: int, name: str | None = None) -> AllocationPolicy
     return POLICY_CLASSES[name](num_gpu_blocks)
 
 
+#: ``(policy class, after_change, after_free)`` of kvpool's policies as defined here, read
+#: at import: the hooks the native manager path runs after the pool's native loops, and
+#: only while a pool's policy has these (a hook patched later keeps vLLM's Python, which
+#: runs it inside the pool's methods).
+NATIVE_HOOKS: tuple[tuple[type, Any, Any], ...] = tuple(
+    (cls, cls.after_change, cls.after_free) for cls in (VllmOrder, VllmOrderRestoreOnIdle, ContiguousPolicy))
+
+
 def needs_manager_hooks(name: str) -> bool:
     """True when policy ``name`` needs :mod:`kvpool.patches.manager_hooks`."""
     return POLICY_CLASSES[resolve(name)].manager_hooks
@@ -142,6 +152,7 @@ __all__ = [
     "ALLOCATION_ENV",
     "EXTENT_CAP_FRACTION",
     "LRU_WINDOW_ENV",
+    "NATIVE_HOOKS",
     "POLICIES",
     "POLICY_CLASSES",
     "REORDER_ON_IDLE_ENV",

@@ -274,6 +274,7 @@ def bind(release: str, patcher=None) -> bool:
     at once (``src/kvpool/hybrid_cache.pxi``). ``uninstall()`` unbinds both; the next
     install disarms the step first (``_core.disable_allocate_slots_fast_path``)."""
     from kvpool import _core
+    from kvpool.allocation import NATIVE_HOOKS, AllocationPolicy
     from kvpool.allocation.contiguous import NATIVE_MIRRORED, ContiguousPolicy
     from kvpool.block_pool import NATIVE_TAKE, BlockPool
     from kvpool.patches.manager_fast_path import _bound_function, _foreign_wrapper
@@ -326,6 +327,8 @@ def bind(release: str, patcher=None) -> bool:
         spec_group_cls=classes["SpecGroup"],
         table_factory=getattr(classes["single_type_kv_cache_manager"], "untracked_list", None),
         contiguous=(ContiguousPolicy, *NATIVE_MIRRORED, NATIVE_TAKE),
+        policy_hooks=NATIVE_HOOKS,
+        policy_noop_change=AllocationPolicy.__dict__["after_change"],
     )
     return True
 
