@@ -47,6 +47,16 @@ cdef extern from *:
      * the same keys. Where that is not so (3.13's inline values beside a materialized
      * dict; 3.14 has no version tag), nothing is remembered and every call looks. */
     #include <stdint.h>
+    /* 1: every key of dict d is an exact str, so a look-up of an exact str in it runs no
+     * Python code (PyDict_Next runs none either). */
+    static int kvpool_str_keys_only(PyObject* d) {
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(d, &pos, &key, &value)) {
+            if (!PyUnicode_CheckExact(key)) return 0;
+        }
+        return 1;
+    }
     #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030D0000
     #define KVPOOL_DICT_VERSIONS 1
     typedef struct { PyObject* dict; uint64_t version; PyObject* names; } kvpool_absent_entry;
@@ -92,12 +102,7 @@ cdef extern from *:
     #ifdef KVPOOL_DICT_VERSIONS
         kvpool_absent_entry* e = kvpool_absent_slot(d, names);
         PyObject* old = e->names;
-        Py_ssize_t pos = 0;
-        PyObject *key, *value;
-        if (version == 0) return;
-        while (PyDict_Next(d, &pos, &key, &value)) {
-            if (!PyUnicode_CheckExact(key)) return;
-        }
+        if (version == 0 || !kvpool_str_keys_only(d)) return;
         Py_INCREF(names);
         e->dict = d;
         e->version = version;
@@ -106,16 +111,6 @@ cdef extern from *:
     #else
         (void)d; (void)names; (void)version;
     #endif
-    }
-    /* 1: every key of dict d is an exact str, so a look-up of an exact str in it runs no
-     * Python code (PyDict_Next runs none either). */
-    static int kvpool_str_keys_only(PyObject* d) {
-        Py_ssize_t pos = 0;
-        PyObject *key, *value;
-        while (PyDict_Next(d, &pos, &key, &value)) {
-            if (!PyUnicode_CheckExact(key)) return 0;
-        }
-        return 1;
     }
     """
     bint kvpool_str_keys_only(PyObject* d)
